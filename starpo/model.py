@@ -1,0 +1,355 @@
+"""Llama / Qwen2-family decoder in Flax, with a functional KV cache and an optional value head.
+
+One module covers SmolLM2, Llama 3.x and Qwen2.5: RMSNorm, rotary embeddings (theta from the
+checkpoint, Llama-3 frequency scaling where configured), grouped-query attention, SwiGLU MLP,
+optional q/k/v bias (Qwen2), tied or untied output head. Layers are stacked with `nn.scan`, so a
+30-layer model compiles like a 1-layer one.
+
+Einsum letters: B batch, T query tokens, S key slots, D model width, H query heads,
+K kv heads, G query heads per kv head (H = K*G), E head dim, F MLP width, V vocab.
+
+The cache is an explicit argument that goes in and comes back out (no mutable collections).
+Each row writes its chunk of tokens at its own slot offset `end[b]`; rotary positions count only
+real tokens, so left padding, right padding and per-row appends all give the same numbers as the
+unpadded row alone.
+
+Every weight names its logical axes (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`,
+stacked under `layers`); `starpo/sharding.py` maps them onto a device mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# A finite "minus infinity": a padding query with no visible key gets a uniform (finite)
+# attention row instead of NaN, which would otherwise poison gradients through `where`.
+_MASK_VALUE = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static architecture description (hashable: usable as a jit static argument)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    # Llama-3 style scaling as (factor, low_freq_factor, high_freq_factor, original_max_position).
+    rope_scaling: tuple[float, float, float, int] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    max_position_embeddings: int = 8192
+    value_head: bool = False
+    dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay float32
+    param_dtype: str = "float32"
+    remat: bool = False  # rematerialise each layer in the backward pass (memory for compute)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_params(self) -> int:
+        d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        if self.qkv_bias:
+            per_layer += q + 2 * kv
+        head = 0 if self.tie_embeddings else d * v
+        return v * d + L * per_layer + d + head
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys and values plus per-row bookkeeping.
+
+    k, v:  [L, B, S, K, E]   slot s of row b holds the key/value written there
+    valid: [B, S] bool        slot holds a real (non-padding) token
+    end:   [B] int32          next slot to write in each row
+    pos:   [B] int32          rotary position of the next real token (= real tokens so far)
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    end: jax.Array
+    pos: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache for `batch` rows of up to `max_len` slots."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        valid=jnp.zeros((batch, max_len), bool),
+        end=jnp.zeros((batch,), jnp.int32),
+        pos=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [E/2], with Llama-3 scaling applied when the config has it."""
+    e = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
+    if cfg.rope_scaling is not None:
+        factor, low_ff, high_ff, old_ctx = cfg.rope_scaling
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = old_ctx / low_ff, old_ctx / high_ff
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [B, T, N, E] by positions [B, T] (the half-split layout of HF checkpoints)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, E/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- layers
+def _partitioned(init, axes):
+    return nn.with_logical_partitioning(init, axes)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", _partitioned(nn.initializers.ones, ("embed",)),
+                           (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _dense(features, axes, name, cfg, use_bias=False, in_axes=-1, init_scale=1.0):
+    init = nn.initializers.variance_scaling(init_scale, "fan_in", "truncated_normal")
+    return nn.DenseGeneral(
+        features, axis=in_axes, use_bias=use_bias, name=name,
+        dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=_partitioned(init, axes),
+        bias_init=_partitioned(nn.initializers.zeros, axes[-len(np.atleast_1d(features)):]),
+    )
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, mask, write_at, kv):
+        """x [B,T,D]; positions [B,T]; mask [B,T,S]; write_at [B] or None; kv (k, v) or None."""
+        cfg = self.cfg
+        H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = _dense((H, E), ("embed", "heads", "head_dim"), "q", cfg, cfg.qkv_bias)(x)
+        k = _dense((K, E), ("embed", "kv_heads", "head_dim"), "k", cfg, cfg.qkv_bias)(x)
+        v = _dense((K, E), ("embed", "kv_heads", "head_dim"), "v", cfg, cfg.qkv_bias)(x)
+        inv_freq = rope_inv_freq(cfg)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+
+        if kv is not None:  # write this chunk at each row's own offset, attend over the cache
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, 0))
+            k = write(kv[0], k.astype(kv[0].dtype), write_at)
+            v = write(kv[1], v.astype(kv[1].dtype), write_at)
+            kv = (k, v)
+
+        B, T = q.shape[:2]
+        q = q.reshape(B, T, K, H // K, E)
+        scores = jnp.einsum("btkge,bske->bkgts", q, k.astype(q.dtype),
+                            preferred_element_type=jnp.float32) / math.sqrt(E)
+        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H, E)
+        out = _dense(cfg.hidden_size, ("heads", "head_dim", "embed"), "o", cfg,
+                     in_axes=(-2, -1))(out.astype(jnp.dtype(cfg.dtype)))
+        return out, kv
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        gate = _dense(cfg.intermediate_size, ("embed", "mlp"), "gate", cfg)(x)
+        up = _dense(cfg.intermediate_size, ("embed", "mlp"), "up", cfg)(x)
+        return _dense(cfg.hidden_size, ("mlp", "embed"), "down", cfg)(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, kv, shared):
+        positions, mask, write_at = shared
+        h, kv = Attention(self.cfg, name="attn")(
+            RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, mask, write_at, kv)
+        x = x + h
+        x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_norm_eps, name="mlp_norm")(x))
+        return x, kv
+
+
+class Transformer(nn.Module):
+    """The decoder. `__call__` returns final hidden states; `logits` / `values` are the heads."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            embedding_init=_partitioned(nn.initializers.normal(0.02), ("vocab", "embed")))
+        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+        self.layers = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(0, nn.broadcast), length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = _dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", cfg)
+        if cfg.value_head:
+            self.value_head = nn.Dense(
+                1, dtype=jnp.float32, param_dtype=jnp.dtype(cfg.param_dtype),
+                kernel_init=_partitioned(nn.initializers.zeros, ("embed", None)),
+                bias_init=_partitioned(nn.initializers.zeros, (None,)))
+
+    def __call__(self, tokens, valid, cache: KVCache | None = None):
+        """tokens [B,T] int, valid [B,T] bool -> (hidden [B,T,D], new cache or None).
+
+        Without a cache the chunk attends causally to its own valid tokens (training forward).
+        With a cache the chunk is written at slots `cache.end[b]...` and attends to everything
+        valid up to its own slot; the returned cache has `end` just past the row's last valid
+        token (so right padding is overwritten by the next call) and `pos` advanced by the
+        number of valid tokens.
+        """
+        valid = valid.astype(bool)
+        B, T = tokens.shape
+        offsets = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1  # [B,T] real tokens before
+        t = jnp.arange(T, dtype=jnp.int32)
+        if cache is None:
+            positions = jnp.maximum(offsets, 0)
+            mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
+            write_at, kv = None, None
+        else:
+            positions = cache.pos[:, None] + jnp.maximum(offsets, 0)
+            write_at = cache.end
+            slot_valid = jax.vmap(lambda m, u, i: jax.lax.dynamic_update_slice(m, u, (i,)))(
+                cache.valid, valid, write_at)  # [B,S]
+            q_slot = write_at[:, None] + t[None, :]  # [B,T]
+            s = jnp.arange(cache.max_len, dtype=jnp.int32)
+            mask = slot_valid[:, None, :] & (s[None, None, :] <= q_slot[:, :, None])  # [B,T,S]
+            kv = (cache.k, cache.v)
+
+        x = self.embed(tokens)
+        x, kv = self.layers(x, kv, (positions, mask, write_at))
+        hidden = self.final_norm(x)
+
+        new_cache = None
+        if cache is not None:
+            any_valid = valid.any(axis=1)
+            last = jnp.max(jnp.where(valid, t[None, :], -1), axis=1)
+            new_cache = KVCache(
+                k=kv[0], v=kv[1], valid=slot_valid,
+                end=jnp.where(any_valid, write_at + last + 1, cache.end).astype(jnp.int32),
+                pos=cache.pos + valid.sum(axis=1, dtype=jnp.int32))
+        return hidden, new_cache
+
+    def logits(self, hidden):
+        """hidden [...,D] -> float32 logits [...,V]."""
+        if self.cfg.tie_embeddings:
+            out = self.embed.attend(hidden.astype(jnp.dtype(self.cfg.dtype)))
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def values(self, hidden):
+        """hidden [...,D] -> float32 scalar values [...] (the critic's head)."""
+        return self.value_head(hidden.astype(jnp.float32))[..., 0]
+
+    def init_all(self, tokens, valid):
+        """Touch every parameter (used only by `init`)."""
+        hidden, _ = self(tokens, valid)
+        out = self.logits(hidden)
+        if self.cfg.value_head:
+            out = out.sum() + self.values(hidden).sum()
+        return out
+
+
+# ----------------------------------------------------------------------------- functional API
+def _init_boxed(cfg: ModelConfig, key: jax.Array):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(cfg).init(key, tokens, tokens > -1, method=Transformer.init_all)["params"]
+
+
+def init_params(cfg: ModelConfig, key: jax.Array):
+    """Random parameters for `cfg`: a nested dict of arrays."""
+    return nn.meta.unbox(_init_boxed(cfg, key))
+
+
+def abstract_params(cfg: ModelConfig):
+    """Shapes and dtypes of the parameters (jax.ShapeDtypeStruct leaves), nothing allocated."""
+    return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+
+
+def logical_axes(cfg: ModelConfig):
+    """A pytree like the params whose leaves are PartitionSpecs of logical axis names."""
+    return nn.get_partition_spec(jax.eval_shape(lambda k: _init_boxed(cfg, k), jax.random.key(0)))
+
+
+def forward(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None):
+    """Logits [B,T,V] (float32) and the updated cache."""
+    model = Transformer(cfg)
+    hidden, cache = model.apply({"params": params}, tokens, valid, cache)
+    return model.apply({"params": params}, hidden, method=Transformer.logits), cache
+
+
+def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None):
+    """Final-norm hidden states [B,T,D] and the updated cache (heads applied separately)."""
+    return Transformer(cfg).apply({"params": params}, tokens, valid, cache)
+
+
+def head_logits(params, cfg: ModelConfig, hidden):
+    return Transformer(cfg).apply({"params": params}, hidden, method=Transformer.logits)
+
+
+def head_values(params, cfg: ModelConfig, hidden):
+    return Transformer(cfg).apply({"params": params}, hidden, method=Transformer.values)

