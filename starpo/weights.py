@@ -95,7 +95,8 @@ def to_ours(x: np.ndarray, entry: Entry, shape: tuple[int, ...]) -> np.ndarray:
 
 def from_ours(x: np.ndarray, entry: Entry, cfg: ModelConfig) -> np.ndarray:
     fshape = file_shape(entry, cfg)
-    return x.reshape(fshape[::-1]).T if entry.linear else x.reshape(fshape)
+    # C order matters: safetensors writes an array's raw buffer whatever its strides.
+    return np.ascontiguousarray(x.reshape(fshape[::-1]).T if entry.linear else x.reshape(fshape))
 
 
 def _flatten(tree, prefix=""):
@@ -253,6 +254,57 @@ def load_hf_dir(directory: str, **overrides) -> tuple[ModelConfig, dict, Tokeniz
     return cfg, params, tok
 
 
+def hf_config(cfg: ModelConfig, tok: Tokenizer) -> dict:
+    """config.json for `cfg` (Qwen2 when q/k/v carry a bias, else Llama)."""
+    qwen = cfg.qkv_bias
+    out = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama", "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size, "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings, "torch_dtype": "float32",
+        "eos_token_id": list(tok.eos_ids), "pad_token_id": tok.pad_id,
+    }
+    if cfg.rope_scaling is not None:
+        factor, low, high, old = cfg.rope_scaling
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                               "high_freq_factor": high, "original_max_position_embeddings": old}
+    if not qwen:
+        out["attention_bias"] = False
+    return out
+
+
+def save_hf_dir(directory: str, cfg: ModelConfig, params: dict, tok: Tokenizer) -> None:
+    """Write a Hugging Face checkpoint directory (float32 safetensors, config, tokenizer).
+
+    Written to a temporary sibling and renamed into place, so `directory` is either complete
+    or absent.
+    """
+    from safetensors.numpy import save_file
+
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".partial-")
+    try:
+        save_file(tensors_from_params(cfg, params), os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config(cfg, tok), f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": list(tok.eos_ids), "pad_token_id": tok.pad_id}, f)
+        tok.save(tmp)
+        if os.path.isdir(directory):
+            raise LoadError(f"{directory} already exists")
+        os.rename(tmp, directory)
+    finally:
+        if os.path.isdir(tmp):
+            import shutil
+            shutil.rmtree(tmp)
+
+
 # ----------------------------------------------------------------------------- GGUF files
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row interleaving: [n_head*E, ...] back to half-split order."""
@@ -317,7 +369,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str], source: str, **override
     return ModelConfig(**{**fields, **overrides})
 
 
-def load_gguf(path: str, tokenizer: Tokenizer | None = None, **overrides):
+def load_gguf(path: str, **overrides):
     """(cfg, params, tokenizer) from a GGUF file, dequantised to float32."""
     import gguf
 
@@ -342,11 +394,10 @@ def load_gguf(path: str, tokenizer: Tokenizer | None = None, **overrides):
         return x
 
     params = params_from_tensors(cfg, get, path, gguf=True)
-    if tokenizer is None:
-        try:
-            tokenizer = Tokenizer.from_gguf_metadata(meta)
-        except (KeyError, ValueError) as e:
-            raise LoadError(f"{path}: tokenizer: {e}") from None
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    except (KeyError, ValueError) as e:
+        raise LoadError(f"{path}: tokenizer: {e}") from None
     return cfg, params, tokenizer
 
 
@@ -408,24 +459,14 @@ def fetch_embedded(name: str) -> str:
     return dest
 
 
-def _cached_tokenizer(gguf_path: str) -> Tokenizer | None:
-    """The tokenizer.json cached beside an embedded GGUF, or None (then built and saved)."""
-    folder = os.path.join(os.path.dirname(gguf_path), "tokenizer")
-    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        try:
-            return Tokenizer.from_hf_dir(folder)
-        except (OSError, ValueError):
-            return None  # damaged cache: rebuild from the GGUF
-    return None
-
-
-def _save_tokenizer_cache(gguf_path: str, tok: Tokenizer) -> None:
-    folder = os.path.join(os.path.dirname(gguf_path), "tokenizer")
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(gguf_path))
-    tok.save(tmp)
-    if os.path.isdir(folder):
-        os.rename(folder, tmp + ".old")
-    os.rename(tmp, folder)
+def _converted_dir(name: str) -> str:
+    """An embedded model converted once to a float32 Hugging Face directory (fast to reload)."""
+    folder = os.path.join(cache_dir(), name, "hf")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        cfg, params, tok = load_gguf(fetch_embedded(name))
+        print(f"Converting {name} to {folder} (once)...", file=sys.stderr, flush=True)
+        save_hf_dir(folder, cfg, params, tok)
+    return folder
 
 
 # ----------------------------------------------------------------------------- tiny
@@ -477,12 +518,8 @@ def load_model(spec: str, *, tiny_corpus=(), **overrides) -> LoadedModel:
     directory, or a `.gguf` file.
     """
     if spec in EMBEDDED:
-        path = fetch_embedded(spec)
-        tok = _cached_tokenizer(path)
-        cfg, params, tok2 = load_gguf(path, tokenizer=tok, **overrides)
-        if tok is None:
-            _save_tokenizer_cache(path, tok2)
-        return LoadedModel(cfg, params, tok2, spec)
+        cfg, params, tok = load_hf_dir(_converted_dir(spec), **overrides)
+        return LoadedModel(cfg, params, tok, spec)
     if spec == "tiny" or spec.startswith("tiny:"):
         opts = _parse_tiny(spec)
         tok = Tokenizer.tiny(tiny_corpus, vocab_size=opts.pop("vocab"))

@@ -1,0 +1,55 @@
+"""Chat with a model from the command line; prints only the reply.
+
+  python launch/chat.py --model=smollm2-135m-instruct --prompt="What is 2+2?" --temperature=0
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from launch import common  # noqa: E402
+
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Model name, HF directory or .gguf file.")
+flags.DEFINE_string("prompt", None, "The user message.", required=True)
+flags.DEFINE_string("system", None, "Optional system message.")
+flags.DEFINE_integer("max_new_tokens", 128, "Most tokens to generate.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
+flags.DEFINE_bool("stats", False, "Print load time and tokens/s to stderr.")
+FLAGS = flags.FLAGS
+
+
+def main(_):
+    import jax
+    import jax.numpy as jnp
+
+    from starpo import sampler, weights
+
+    t0 = time.perf_counter()
+    m = weights.load_model(FLAGS.model)
+    messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) + [
+        {"role": "user", "content": FLAGS.prompt}]
+    ids = m.tokenizer.encode(m.tokenizer.apply_chat_template(messages))
+    prompt = jnp.asarray([ids], jnp.int32)
+    args = (m.params, prompt, prompt >= 0, jax.random.key(FLAGS.seed), FLAGS.temperature)
+    t1 = time.perf_counter()
+    generate = sampler.generate.lower(
+        *args, cfg=m.cfg, max_new_tokens=FLAGS.max_new_tokens,
+        cache_len=len(ids) + FLAGS.max_new_tokens, eos_ids=m.tokenizer.eos_ids,
+        pad_id=m.tokenizer.pad_id).compile()
+    t2 = time.perf_counter()
+    out = generate(*args)
+    n = int(out.length[0])
+    t3 = time.perf_counter()
+    print(m.tokenizer.decode(out.tokens[0, :n].tolist(), skip_special_tokens=True).strip())
+    if FLAGS.stats:
+        print(f"load {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, {n} tokens in {t3 - t2:.2f}s = "
+              f"{n / (t3 - t2):.1f} tokens/s (prefill included)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    common.run(main)
