@@ -1,0 +1,68 @@
+"""Pure-JAX environments of the reference: Bandit, FrozenLake, Sokoban.
+
+`make(name, **options)` returns an env object holding only static settings (a frozen,
+hashable dataclass: close over it or pass it as a jit static argument). Every env offers
+
+    state = env.reset(key)                                   # level generation on device
+    state, reward, done, info = env.step(key, state, action) # info: success,
+                                                             # action_is_effective, action_is_valid
+    env.is_done(state), env.name_to_action(state, index)     # jittable
+    env.to_text(state) -> str, env.from_text(text) -> state  # host side, the reference's text
+
+with the reference's 1-based action ids (anything else is a no-op that counts as ineffective),
+and plain-Python metadata for the text layer: `name`, `action_names`, `instruction`, `legend`,
+`symbols` (render code -> text; grid envs also have `render_codes(state)`). Batch with
+`jax.vmap` outside the env.
+"""
+
+from envs import bandit, frozenlake, sokoban
+from envs.bandit import Bandit, BanditState
+from envs.frozenlake import FrozenLake, FrozenLakeState, shortest_path_length
+from envs.sokoban import Sokoban, SokobanState, solve
+
+# name -> (class, defaults). Options given to `make` override the defaults; generator knobs of
+# the Sokoban variants are tuned so their levels match the reference's difficulty.
+_REGISTRY = {
+    "Bandit": (Bandit, dict(low_arm="Phoenix", high_arm="Dragon")),
+    "BanditTest": (Bandit, dict(low_arm="Trader", high_arm="Librarian")),
+    "FrozenLake": (FrozenLake, dict(size=4, p=0.8, is_slippery=True)),
+    "SimpleSokoban": (Sokoban, dict(dim_x=6, dim_y=6, num_boxes=1, max_steps=100)),
+    "LargerSokoban": (Sokoban, dict(dim_x=8, dim_y=8, num_boxes=2, max_steps=100)),
+    "SokobanDifferentGridVocab": (
+        Sokoban,
+        dict(dim_x=6, dim_y=6, num_boxes=1, max_steps=100, symbols=sokoban.VOCAB_SYMBOLS),
+    ),
+}
+NAMES = tuple(_REGISTRY)
+
+
+def make(name, **options):
+    """The env called `name` (one of NAMES) with `options` overriding its defaults.
+
+    Raises ValueError for an unknown name or option, or for settings the env cannot honour.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown env {name!r}; known: {', '.join(NAMES)}")
+    cls, defaults = _REGISTRY[name]
+    allowed = [f for f in cls.__dataclass_fields__ if f != "name"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for {name}; allowed: {', '.join(allowed)}")
+    return cls(name=name, **{**defaults, **options})
+
+
+__all__ = [
+    "NAMES",
+    "Bandit",
+    "BanditState",
+    "FrozenLake",
+    "FrozenLakeState",
+    "Sokoban",
+    "SokobanState",
+    "bandit",
+    "frozenlake",
+    "make",
+    "shortest_path_length",
+    "sokoban",
+    "solve",
+]

@@ -1,0 +1,503 @@
+"""Sokoban as a pure-JAX environment with on-device level generation.
+
+Step semantics follow the reference (RAGEN's SokobanEnv on gym_sokoban): actions 1 Up, 2 Down,
+3 Left, 4 Right; a move enters floor or an empty target, a box in the way is pushed if the cell
+beyond is free, otherwise nothing moves (still a step). Reward -0.1 per step, +1 when the
+number of boxes on targets rises, -1 when it falls, +10 when all are on targets. Done when
+solved or after `max_steps` steps. Once done, the state absorbs further actions (reward 0); the
+reference never steps a finished episode, so this only makes batched rollouts simple.
+
+Level generation mirrors the reference's recipe with fixed-size array work instead of a Python
+search, so one PRNG key gives the same level on every machine:
+  1. carve a room: a random walk of int(1.7 * (h + w)) steps stamping random 3x3 masks,
+     walls on the border (`num_rooms` candidate rooms at once);
+  2. place the player and the boxes on random floor cells, each box on its own target;
+  3. reverse play: `num_walks` random walks of `walk_length` moves in which the player pulls
+     any box behind it. Every visited state is scored as in the reference, (number of times the
+     pulled box changed) x (total box-to-own-target Manhattan distance), and counts only when
+     every target is empty and the player is not on one; the best state over all walks wins;
+  4. with p 0.8 (if the boxes moved 1 cell in total) or 0.5, the player wanders 1-3 steps
+     without pushing, as the reference does.
+The first candidate room with a positive score is used. Pulls are reversed pushes, so every
+generated level is solvable and none starts solved. A fixed fallback level (never hit in
+practice) keeps reset total.
+"""
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# Cell codes of the fixed layer held in the state (the reference's room_fixed).
+WALL, FLOOR, TARGET = 0, 1, 2
+# Render codes (the reference's room ints, plus its render-only 6): SYMBOLS[code] is the text.
+BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET = 3, 4, 5, 6
+SYMBOLS = ("#", "_", "O", "√", "X", "P", "S")
+VOCAB_SYMBOLS = ("W", ".", "G", "C", "B", "A", "@")
+SYMBOL_MEANINGS = ("wall", "empty", "target", "box on target", "box", "player", "player on target")
+ACTION_NAMES = ("Up", "Down", "Left", "Right")
+INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to"
+    " targets. When you are right next to a box, you can push it by moving in the same"
+    " direction. You cannot push a box through a wall, and you cannot pull a box. The answer"
+    " should be a sequence of actions, like <answer>Right || Right || Up</answer>"
+)
+
+STEP_PENALTY = -0.1
+BOX_ON_REWARD = 1.0
+BOX_OFF_PENALTY = -1.0
+FINISH_REWARD = 10.0
+
+# (row, col) offsets of actions 1 Up, 2 Down, 3 Left, 4 Right.
+_DELTAS = np.array([[-1, 0], [1, 0], [0, -1], [0, 1]], np.int32)
+# The reference's carving stamps; the centre cell sits on the walk's position.
+_MASKS = np.array(
+    [
+        [[0, 0, 0], [1, 1, 1], [0, 0, 0]],
+        [[0, 1, 0], [0, 1, 0], [0, 1, 0]],
+        [[0, 0, 0], [1, 1, 0], [0, 1, 0]],
+        [[0, 0, 0], [1, 1, 0], [1, 1, 0]],
+        [[0, 0, 0], [0, 1, 1], [0, 1, 0]],
+    ],
+    bool,
+)
+_CHANGE_DIRECTION_PROB = 0.35
+# The reference's post-generation wander: move at all with p 0.8 when the boxes sit 1 cell from
+# their targets in total (else 0.5), then keep going with p 0.5, at most 3 steps.
+_WANDER_PROB_NEAR, _WANDER_PROB, _WANDER_CONTINUE, _WANDER_STEPS = 0.8, 0.5, 0.5, 3
+
+
+def _uniform_int(u, n):
+    """int32 uniform on [0, n) from uniforms u in [0, 1) (jax.random.randint is far slower to
+    compile on CPU, and the generator needs many small draws)."""
+    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
+
+
+@struct.dataclass
+class SokobanState:
+    room: jax.Array  # int8[dim_x, dim_y]: WALL / FLOOR / TARGET, the fixed layer
+    boxes: jax.Array  # bool[dim_x, dim_y]: a box stands on the cell
+    player: jax.Array  # int32[2]: player (row, col)
+    steps: jax.Array  # int32[]: env steps taken
+
+
+def _fallback_layout(dim_x, dim_y, num_boxes):
+    """A fixed solvable level for when every candidate room fails (host-side numpy).
+
+    Open interior; box i one cell beside its target, all in one line, and the player behind
+    them, so each box is pushed once. Returns (room int8[h, w], boxes bool[h, w], player (r, c)),
+    or None when the size cannot hold this layout.
+    """
+    room = np.full((dim_x, dim_y), WALL, np.int8)
+    room[1:-1, 1:-1] = FLOOR
+    boxes = np.zeros((dim_x, dim_y), bool)
+    if dim_y >= 5 and num_boxes <= dim_x - 2:  # targets in column 1, boxes in 2, player in 3
+        rows = np.arange(1, 1 + num_boxes)
+        room[rows, 1] = TARGET
+        boxes[rows, 2] = True
+        return room, boxes, (1, 3)
+    if dim_x >= 5 and num_boxes <= dim_y - 2:  # the same, transposed
+        cols = np.arange(1, 1 + num_boxes)
+        room[1, cols] = TARGET
+        boxes[2, cols] = True
+        return room, boxes, (3, 1)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sokoban:
+    """Static settings of one Sokoban variant (hashable: usable as a jit static argument).
+
+    dim_x, dim_y: rows and columns of the room, walls included (the reference's dim_room).
+    num_boxes: boxes (and targets) per generated level. max_steps: env steps before done.
+    symbols: text of render codes 0..6 (wall, empty, target, box on target, box, player,
+    player on target). num_rooms / num_walks / walk_length: generator effort (see module doc);
+    the defaults of each named variant are tuned so the optimal-solution-length distribution
+    matches the reference's.
+    """
+
+    name: str = "SimpleSokoban"
+    dim_x: int = 6
+    dim_y: int = 6
+    num_boxes: int = 1
+    max_steps: int = 100
+    symbols: tuple = SYMBOLS
+    num_rooms: int = 4
+    num_walks: int = 16
+    walk_length: int = 24
+
+    action_names = ACTION_NAMES
+    instruction = INSTRUCTION
+    num_actions = 4
+
+    def __post_init__(self):
+        for field in ("dim_x", "dim_y", "num_boxes", "max_steps", "num_rooms", "num_walks", "walk_length"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Sokoban {field} must be a positive int, got {value!r}")
+        if self.dim_x < 4 or self.dim_y < 4:
+            raise ValueError(
+                f"Sokoban room {self.dim_x}x{self.dim_y} is too small: dim_x and dim_y must be >= 4 "
+                "(walls take the border)"
+            )
+        interior = (self.dim_x - 2) * (self.dim_y - 2)
+        if self.num_boxes + 2 > interior:
+            raise ValueError(
+                f"{self.num_boxes} boxes do not fit a {self.dim_x}x{self.dim_y} room: its "
+                f"{interior} floor cells must hold the boxes, their targets' and the player"
+            )
+        if _fallback_layout(self.dim_x, self.dim_y, self.num_boxes) is None:
+            raise ValueError(
+                f"a {self.dim_x}x{self.dim_y} room with {self.num_boxes} boxes cannot be generated "
+                "reliably: one side must be >= 5 and the boxes must fit in a row along the other "
+                "side's interior"
+            )
+        symbols = tuple(self.symbols)
+        if len(symbols) != 7 or len(set(symbols)) != 7 or any(
+            not isinstance(s, str) or len(s) != 1 or s == "\n" for s in symbols
+        ):
+            raise ValueError(
+                "Sokoban symbols must be 7 distinct one-character strings (wall, empty, target, "
+                f"box on target, box, player, player on target), got {self.symbols!r}"
+            )
+        object.__setattr__(self, "symbols", symbols)
+
+    @property
+    def legend(self):
+        """The reference's symbol legend, e.g. '#: wall, _: empty, ... S: player on target'."""
+        return ", ".join(f"{s}: {m}" for s, m in zip(self.symbols, SYMBOL_MEANINGS))
+
+    # ----------------------------------------------------------------- step
+    def step(self, key, state, action):
+        """One action. key: unused (Sokoban is deterministic), kept for the common signature.
+
+        action: int, 1..4; anything else is a no-op (state unchanged, reward 0, not a step).
+        Returns (state, reward f32[], done bool[], info) with info bools `success` (all boxes
+        on targets), `action_is_effective` (the player moved, pushing or not) and
+        `action_is_valid` (1 <= action <= 4).
+        """
+        del key
+        action = jnp.asarray(action, jnp.int32)
+        valid = (action >= 1) & (action <= 4)
+        live = valid & ~self.is_done(state)
+        delta = jnp.asarray(_DELTAS)[jnp.clip(action - 1, 0, 3)]
+        one = state.player + delta  # [2] the cell the player walks into
+        two = one + delta  # [2] where a pushed box would go
+
+        def inside(rc):
+            return (rc[0] >= 0) & (rc[0] < self.dim_x) & (rc[1] >= 0) & (rc[1] < self.dim_y)
+
+        def at(grid, rc):  # out-of-room reads are clamped; callers mask them with `inside`
+            return grid[jnp.clip(rc[0], 0, self.dim_x - 1), jnp.clip(rc[1], 0, self.dim_y - 1)]
+
+        def free(rc):
+            return inside(rc) & (at(state.room, rc) != WALL) & ~at(state.boxes, rc)
+
+        walk = live & free(one)
+        push = live & inside(one) & at(state.boxes, one) & free(two)
+        moved = walk | push
+        one_c = jnp.clip(one, 0, jnp.array([self.dim_x - 1, self.dim_y - 1]))
+        two_c = jnp.clip(two, 0, jnp.array([self.dim_x - 1, self.dim_y - 1]))
+        boxes = state.boxes.at[one_c[0], one_c[1]].set(at(state.boxes, one) & ~push)
+        boxes = boxes.at[two_c[0], two_c[1]].set(at(state.boxes, two) | push)
+        new = SokobanState(
+            room=state.room,
+            boxes=boxes,
+            player=jnp.where(moved, one, state.player),
+            steps=state.steps + live.astype(jnp.int32),
+        )
+
+        before = self._boxes_on_target(state)
+        after = self._boxes_on_target(new)
+        solved = self._solved(new)
+        reward = (
+            STEP_PENALTY
+            + jnp.where(after > before, BOX_ON_REWARD, 0.0)
+            + jnp.where(after < before, BOX_OFF_PENALTY, 0.0)
+            + jnp.where(solved, FINISH_REWARD, 0.0)
+        )
+        reward = jnp.where(live, reward, 0.0).astype(jnp.float32)
+        info = {"success": solved, "action_is_effective": moved, "action_is_valid": valid}
+        return new, reward, self.is_done(new), info
+
+    def _boxes_on_target(self, state):
+        return jnp.sum(state.boxes & (state.room == TARGET))
+
+    def _solved(self, state):
+        return ~jnp.any(state.boxes & (state.room != TARGET))
+
+    def is_done(self, state):
+        """bool[]: all boxes on targets, or `max_steps` steps taken."""
+        return self._solved(state) | (state.steps >= self.max_steps)
+
+    def name_to_action(self, state, index):
+        """Action id for the name at 0-based `index` of `action_names` (0 if out of range)."""
+        del state  # the action ids of Sokoban do not depend on the state
+        index = jnp.asarray(index, jnp.int32)
+        return jnp.where((index >= 0) & (index < 4), index + 1, 0)
+
+    def render_codes(self, state):
+        """int32[dim_x, dim_y] render codes 0..6; `symbols[code]` is each cell's text."""
+        room = state.room.astype(jnp.int32)
+        codes = jnp.where(state.boxes, jnp.where(room == TARGET, BOX_ON_TARGET, BOX), room)
+        r, c = state.player[0], state.player[1]
+        return codes.at[r, c].set(jnp.where(room[r, c] == TARGET, PLAYER_ON_TARGET, PLAYER))
+
+    # ---------------------------------------------------------------- reset
+    def reset(self, key):
+        """Generate a level from `key` alone (see the module doc). -> SokobanState."""
+        keys = jax.random.split(key, self.num_rooms + 1)
+        floor, player, boxes, targets, score = jax.vmap(self._candidate)(
+            keys[1:]
+        )  # [R, H*W], [R], [R, nb], [R, nb], [R]
+        first = jnp.argmax(score > 0)
+        ok = score[first] > 0
+        floor, player, boxes, targets = floor[first], player[first], boxes[first], targets[first]
+        displacement = self._displacement(boxes, targets)
+        player = self._wander(keys[0], floor, boxes, player, displacement)
+
+        w = self.dim_y
+        cells = self.dim_x * self.dim_y
+        room = jnp.where(floor, FLOOR, WALL).astype(jnp.int8).at[targets].set(TARGET)
+        box_grid = jnp.zeros(cells, bool).at[boxes].set(True)
+        fb_room, fb_boxes, fb_player = _fallback_layout(self.dim_x, self.dim_y, self.num_boxes)
+        return SokobanState(
+            room=jnp.where(ok, room.reshape(self.dim_x, w), jnp.asarray(fb_room)),
+            boxes=jnp.where(ok, box_grid.reshape(self.dim_x, w), jnp.asarray(fb_boxes)),
+            player=jnp.where(ok, jnp.stack([player // w, player % w]), jnp.asarray(fb_player)).astype(jnp.int32),
+            steps=jnp.zeros((), jnp.int32),
+        )
+
+    def _carve(self, u):
+        """bool[H*W] floor cells of a random-walk room (the reference's topology generator).
+
+        u: float32[carve_draws] uniforms, the only randomness used.
+        """
+        h, w = self.dim_x, self.dim_y
+        n = int(1.7 * (h + w))
+        first_dir = _uniform_int(u[0], 4)
+        # The reference draws the start in [1, h-1] x [1, w-1]; the first step clamps it.
+        start = jnp.stack([1 + _uniform_int(u[1], h - 1), 1 + _uniform_int(u[2], w - 1)])
+        change = u[3 : 3 + n] < _CHANGE_DIRECTION_PROB
+        new_dir = _uniform_int(u[3 + n : 3 + 2 * n], 4)
+        mask = _uniform_int(u[3 + 2 * n : 3 + 3 * n], 5)
+        # Direction at step t: the draw of the last change at or before t, else the first one.
+        last = jax.lax.cummax(jnp.where(change, jnp.arange(n), -1))
+        dirs = jnp.where(last >= 0, new_dir[jnp.maximum(last, 0)], first_dir)
+        moves = jnp.asarray(np.array([[1, 0], [0, 1], [-1, 0], [0, -1]], np.int32))[dirs]  # [n, 2]
+        hi = jnp.array([h - 2, w - 2])
+
+        def walk(pos, move):
+            pos = jnp.clip(pos + move, 1, hi)
+            return pos, pos
+
+        _, centres = jax.lax.scan(walk, start, moves)  # [n, 2], each in [1, h-2] x [1, w-2]
+        # Stamp all masks at once: cell (i, j) takes mask[t][i - r_t + 1, j - c_t + 1].
+        di = jnp.arange(h)[None, :, None] - centres[:, 0, None, None] + 1  # [n, h, 1]
+        dj = jnp.arange(w)[None, None, :] - centres[:, 1, None, None] + 1  # [n, 1, w]
+        near = (di >= 0) & (di < 3) & (dj >= 0) & (dj < 3)
+        stamps = jnp.asarray(_MASKS)[mask[:, None, None], jnp.clip(di, 0, 2), jnp.clip(dj, 0, 2)]
+        floor = jnp.any(stamps & near, axis=0)
+        interior = np.zeros((h, w), bool)
+        interior[1:-1, 1:-1] = True
+        return (floor & interior).reshape(-1)
+
+    @property
+    def _carve_draws(self):
+        return 3 + 3 * int(1.7 * (self.dim_x + self.dim_y))
+
+    def _displacement(self, boxes, targets):
+        """int32[]: total Manhattan distance of each box (flat index) from its own target."""
+        w = self.dim_y
+        return jnp.sum(jnp.abs(boxes // w - targets // w) + jnp.abs(boxes % w - targets % w))
+
+    def _candidate(self, key):
+        """One candidate level: carve, place, reverse-play.
+
+        Returns (floor bool[H*W], player int32[], boxes int32[nb], targets int32[nb],
+        score int32[]), cells as flat indices; score > 0 iff the level is usable.
+        """
+        nb, w = self.num_boxes, self.dim_y
+        cells = self.dim_x * self.dim_y
+        # One draw feeds everything: each separate PRNG call costs seconds of XLA compile on CPU.
+        u = jax.random.uniform(key, (self._carve_draws + cells + self.num_walks * self.walk_length,))
+        u_room, u_place, u_walks = jnp.split(u, [self._carve_draws, self._carve_draws + cells])
+        floor = self._carve(u_room)
+        # A random order of the floor cells: the first is the player, the next nb the targets
+        # (a uniformly random distinct placement, as the reference's sequential draws).
+        priority = jnp.where(floor, u_place, 2.0)
+        order = jnp.argsort(priority)
+        player0, targets = order[0], order[1 : 1 + nb]
+        enough_floor = jnp.sum(floor) > nb + 1  # the reference's own requirement
+        is_target = jnp.zeros_like(floor).at[targets].set(True)
+        offsets = jnp.array([-w, w, -1, 1], jnp.int32)  # Up, Down, Left, Right on flat indices
+
+        def reverse_walk(u):
+            def pull_step(carry, u_t):
+                player, boxes, back, swaps, last, best = carry
+                ahead = player + offsets  # [4] in range: the player is always interior
+                open_ = floor[ahead] & ~jnp.any(ahead[:, None] == boxes[None, :], axis=1)
+                # Step uniformly among the open directions, except straight back after a plain
+                # move (that only undoes it): no step is wasted, so short walks reach as far as
+                # the reference's exhaustive search needs.
+                choice = open_ & (jnp.arange(4) != back)
+                choice = jnp.where(jnp.any(choice), choice, open_)
+                rank = _uniform_int(u_t, jnp.maximum(jnp.sum(choice), 1))
+                direction = jnp.argmax(choice & (jnp.cumsum(choice) == rank + 1))
+                can_move = choice[direction]
+                pulled = can_move & (boxes == player - offsets[direction])  # [nb], <= one True
+                boxes = jnp.where(pulled, player, boxes)
+                player = jnp.where(can_move, ahead[direction], player)
+                any_pull = jnp.any(pulled)
+                back = jnp.where(can_move & ~any_pull, direction ^ 1, -1)  # Up<->Down, Left<->Right
+                which = jnp.argmax(pulled)
+                swaps = swaps + (any_pull & (which != last))
+                last = jnp.where(any_pull, which, last)
+                clear = ~jnp.any(is_target[boxes]) & ~is_target[player]
+                score = jnp.where(clear, swaps * self._displacement(boxes, targets), 0)
+                better = score > best[0]  # strict: keep the first state reaching a score
+                best = jax.tree.map(
+                    lambda new, old: jnp.where(better, new, old), (score, player, boxes), best
+                )
+                return (player, boxes, back, swaps, last, best), None
+
+            zero, none = jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32)
+            carry = (player0, targets, none, zero, none, (zero, player0, targets))
+            (_, _, _, _, _, best), _ = jax.lax.scan(pull_step, carry, u)
+            return best
+
+        scores, players, boxes = jax.vmap(reverse_walk)(
+            u_walks.reshape(self.num_walks, self.walk_length)
+        )
+        top = jnp.argmax(scores)
+        score = jnp.where(enough_floor, scores[top], 0)
+        return floor, players[top], boxes[top], targets, score
+
+    def _wander(self, key, floor, boxes, player, displacement):
+        """The reference's post-generation random walk of the player (no pushes, no revisits)."""
+        w = self.dim_y
+        offsets = jnp.array([-w, w, -1, 1], jnp.int32)
+        u = jax.random.uniform(key, (1 + 5 * _WANDER_STEPS,))
+        p_go = jnp.where(displacement == 1, _WANDER_PROB_NEAR, _WANDER_PROB)
+        active = u[0] < p_go
+        visited = jnp.full((_WANDER_STEPS + 1,), -1, jnp.int32).at[0].set(player)
+        for i in range(_WANDER_STEPS):
+            u_pick, u_more = u[1 + 5 * i : 5 + 5 * i], u[5 + 5 * i]
+            ahead = player + offsets  # [4]
+            open_ = floor[ahead] & ~jnp.any(ahead[:, None] == boxes[None, :], axis=1)
+            open_ = open_ & ~jnp.any(ahead[:, None] == visited[None, :], axis=1)
+            pick = jnp.argmax(jnp.where(open_, u_pick, -1.0))  # uniform among the open cells
+            go = active & jnp.any(open_)
+            player = jnp.where(go, ahead[pick], player)
+            visited = visited.at[i + 1].set(jnp.where(go, player, -1))
+            active = go & (u_more < _WANDER_CONTINUE)
+        return player
+
+    # ----------------------------------------------------------- host text
+    def to_text(self, state):
+        """The reference's text of the state: rows joined by newlines (host side)."""
+        codes = np.asarray(self.render_codes(state))
+        return "\n".join("".join(self.symbols[c] for c in row) for row in codes)
+
+    def from_text(self, text):
+        """Parse a level in this variant's symbols into a state (steps = 0).
+
+        The text must be dim_x rows of dim_y symbols with one player and as many boxes as
+        targets (at least one); anything else raises ValueError naming the problem.
+        """
+        rows = text.strip("\n").split("\n")
+        if len(rows) != self.dim_x or any(len(r) != self.dim_y for r in rows):
+            raise ValueError(
+                f"Sokoban text must be {self.dim_x} rows of {self.dim_y} symbols for this env, got "
+                f"{len(rows)} rows of lengths {[len(r) for r in rows]}"
+            )
+        lookup = {s: i for i, s in enumerate(self.symbols)}
+        codes = np.zeros((self.dim_x, self.dim_y), np.int32)
+        for i, row in enumerate(rows):
+            for j, ch in enumerate(row):
+                if ch not in lookup:
+                    raise ValueError(
+                        f"unknown Sokoban symbol {ch!r} at row {i}, col {j}; this variant uses "
+                        f"{''.join(self.symbols)!r}"
+                    )
+                codes[i, j] = lookup[ch]
+        players = np.argwhere((codes == PLAYER) | (codes == PLAYER_ON_TARGET))
+        if len(players) != 1:
+            raise ValueError(f"Sokoban text needs exactly one player, found {len(players)}")
+        boxes = (codes == BOX) | (codes == BOX_ON_TARGET)
+        on_target = (codes == TARGET) | (codes == BOX_ON_TARGET) | (codes == PLAYER_ON_TARGET)
+        if boxes.sum() == 0:
+            raise ValueError("Sokoban text has no box")
+        if boxes.sum() != on_target.sum():
+            raise ValueError(
+                f"Sokoban boxes and targets do not pair up: {boxes.sum()} boxes, {on_target.sum()} targets"
+            )
+        room = np.where(on_target, TARGET, np.where(codes == WALL, WALL, FLOOR))
+        return SokobanState(
+            room=jnp.asarray(room, jnp.int8),
+            boxes=jnp.asarray(boxes),
+            player=jnp.asarray(players[0], jnp.int32),
+            steps=jnp.zeros((), jnp.int32),
+        )
+
+
+def _dead_cells(wall):
+    """bool[h, w]: non-wall cells a box can never leave (corners), for pruning the search."""
+    up = np.roll(wall, 1, axis=0)
+    down = np.roll(wall, -1, axis=0)
+    left = np.roll(wall, 1, axis=1)
+    right = np.roll(wall, -1, axis=1)
+    return ~wall & (up | down) & (left | right)
+
+
+def solve(state, max_moves=100):
+    """Fewest moves (steps, pushes included) that put every box on a target; -1 if none within
+    `max_moves`. Host-side breadth-first search over (player, boxes); `state` is one
+    SokobanState (not batched). Corner cells off target are pruned: a box there cannot move.
+    """
+    room = np.asarray(state.room)
+    # A ring of walls makes every neighbour lookup in range, even for levels without walls.
+    room = np.pad(room, 1, constant_values=WALL)
+    h, w = room.shape
+    wall = (room == WALL).reshape(-1)
+    target = (room == TARGET).reshape(-1)
+    dead = (_dead_cells(room == WALL) & (room != TARGET)).reshape(-1)
+    boxes = np.pad(np.asarray(state.boxes), 1).reshape(-1)
+    player = (int(state.player[0]) + 1) * w + int(state.player[1]) + 1
+
+    start = (player, tuple(np.flatnonzero(boxes).tolist()))
+    if all(target[b] for b in start[1]):
+        return 0
+    offsets = (-w, w, -1, 1)
+    seen = {start}
+    frontier = collections.deque([start])
+    for depth in range(1, max_moves + 1):
+        next_frontier = collections.deque()
+        for player, boxes in frontier:
+            for off in offsets:
+                ahead = player + off
+                if wall[ahead]:
+                    continue
+                if ahead in boxes:
+                    beyond = ahead + off
+                    if wall[beyond] or beyond in boxes or dead[beyond]:
+                        continue
+                    moved = tuple(sorted(beyond if b == ahead else b for b in boxes))
+                    node = (ahead, moved)
+                    if node in seen:
+                        continue
+                    if all(target[b] for b in moved):
+                        return depth
+                else:
+                    node = (ahead, boxes)
+                    if node in seen:
+                        continue
+                seen.add(node)
+                next_frontier.append(node)
+        if not next_frontier:
+            return -1
+        frontier = next_frontier
+    return -1
