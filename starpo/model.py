@@ -141,6 +141,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
+def _write_rows(buf, update, start, keep):
+    """Per row b, write update[b] ([T,...]) into buf[b] ([S,...]) at slot start[b], only where
+    keep[b] ([T] bool) is set; elsewhere the buffer keeps its contents, so padding and finished
+    rows never disturb the cache (even when their offset would run past its end)."""
+
+    def one(buf, update, start, keep):
+        old = jax.lax.dynamic_slice_in_dim(buf, start, update.shape[0], 0)
+        keep = keep.reshape(keep.shape + (1,) * (update.ndim - 1))
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, update, old), start, 0)
+
+    return jax.vmap(one)(buf, update, start, keep)
+
+
 # ----------------------------------------------------------------------------- layers
 def _partitioned(init, axes):
     return nn.with_logical_partitioning(init, axes)
@@ -173,8 +186,8 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, write_at, kv):
-        """x [B,T,D]; positions [B,T]; mask [B,T,S]; write_at [B] or None; kv (k, v) or None."""
+    def __call__(self, x, positions, mask, write_at, valid, kv):
+        """x [B,T,D]; positions, valid [B,T]; mask [B,T,S]; write_at [B] or None; kv or None."""
         cfg = self.cfg
         H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = _dense((H, E), ("embed", "heads", "head_dim"), "q", cfg, cfg.qkv_bias)(x)
@@ -185,9 +198,8 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, inv_freq)
 
         if kv is not None:  # write this chunk at each row's own offset, attend over the cache
-            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, 0))
-            k = write(kv[0], k.astype(kv[0].dtype), write_at)
-            v = write(kv[1], v.astype(kv[1].dtype), write_at)
+            k = _write_rows(kv[0], k.astype(kv[0].dtype), write_at, valid)
+            v = _write_rows(kv[1], v.astype(kv[1].dtype), write_at, valid)
             kv = (k, v)
 
         B, T = q.shape[:2]
@@ -218,9 +230,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv, shared):
-        positions, mask, write_at = shared
+        positions, mask, write_at, valid = shared
         h, kv = Attention(self.cfg, name="attn")(
-            RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, mask, write_at, kv)
+            RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, mask, write_at, valid,
+            kv)
         x = x + h
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_norm_eps, name="mlp_norm")(x))
         return x, kv
@@ -272,15 +285,14 @@ class Transformer(nn.Module):
         else:
             positions = cache.pos[:, None] + jnp.maximum(offsets, 0)
             write_at = cache.end
-            slot_valid = jax.vmap(lambda m, u, i: jax.lax.dynamic_update_slice(m, u, (i,)))(
-                cache.valid, valid, write_at)  # [B,S]
+            slot_valid = _write_rows(cache.valid, valid, write_at, valid)  # [B,S]
             q_slot = write_at[:, None] + t[None, :]  # [B,T]
             s = jnp.arange(cache.max_len, dtype=jnp.int32)
             mask = slot_valid[:, None, :] & (s[None, None, :] <= q_slot[:, :, None])  # [B,T,S]
             kv = (cache.k, cache.v)
 
         x = self.embed(tokens)
-        x, kv = self.layers(x, kv, (positions, mask, write_at))
+        x, kv = self.layers(x, kv, (positions, mask, write_at, valid))
         hidden = self.final_norm(x)
 
         new_cache = None

@@ -1,0 +1,179 @@
+"""The Flax decoder against a NumPy reference, and its KV cache against full forward passes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starpo import model as M
+from starpo import weights
+from tests import numpy_reference
+from tests.conftest import LLAMA_LIKE, QWEN_LIKE, hf_config_json, random_hf_tensors
+
+
+def _load(c, seed=0, **overrides):
+    tensors = random_hf_tensors(c, seed)
+    cfg = weights.config_from_hf(hf_config_json(c), **overrides)
+    return cfg, weights.params_from_tensors(cfg, tensors.get, "test", gguf=False), tensors
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params, _ = _load(QWEN_LIKE)
+    return cfg, params
+
+
+@pytest.fixture(scope="module")
+def fwd(tiny):
+    cfg, params = tiny
+    return jax.jit(lambda t, v, c: M.forward(params, cfg, t, v, c))
+
+
+@pytest.mark.parametrize("c", [LLAMA_LIKE, QWEN_LIKE], ids=["llama-tied", "qwen2-bias-scaled"])
+def test_flax_matches_numpy_reference(c):
+    cfg, params, tensors = _load(c)
+    ids = np.random.default_rng(1).integers(0, c["vocab"], 13)
+    want = numpy_reference.forward(tensors, c, ids)
+    got, _ = M.forward(params, cfg, jnp.asarray(ids)[None], jnp.ones((1, 13), bool))
+    np.testing.assert_allclose(np.asarray(got[0]), want, atol=2e-4, rtol=2e-4)
+
+
+def test_rope_scaling_changes_frequencies():
+    cfg = weights.config_from_hf(hf_config_json(QWEN_LIKE))
+    plain = M.rope_inv_freq(cfg.replace(rope_scaling=None))
+    scaled = M.rope_inv_freq(cfg)
+    ref = numpy_reference.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    np.testing.assert_allclose(scaled, ref, rtol=1e-6)
+    assert scaled[-1] == pytest.approx(plain[-1] / 8.0)  # longest wavelength divided by factor
+    assert scaled[0] == pytest.approx(plain[0])  # shortest wavelength untouched
+
+
+def test_cache_decode_equals_full_forward(tiny, fwd):
+    cfg, _ = tiny
+    ids = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
+    full, _ = fwd(ids, jnp.ones_like(ids, bool), None)
+    cache = M.init_cache(cfg, 2, 16)
+    first, cache = fwd(ids[:, :7], jnp.ones((2, 7), bool), cache)
+    steps = [first]
+    for i in range(7, 12):
+        logits, cache = fwd(ids[:, i:i + 1], jnp.ones((2, 1), bool), cache)
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=1e-4, rtol=1e-4)
+    assert cache.end.tolist() == [12, 12] and cache.pos.tolist() == [12, 12]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_rows_equal_rows_alone(tiny, fwd, side):
+    cfg, _ = tiny
+    rng = np.random.default_rng(2)
+    lengths = [5, 9, 12]
+    rows = [rng.integers(0, cfg.vocab_size, n) for n in lengths]
+    tokens = np.zeros((3, 12), np.int32)
+    valid = np.zeros((3, 12), bool)
+    for b, r in enumerate(rows):
+        sl = slice(12 - len(r), 12) if side == "left" else slice(0, len(r))
+        tokens[b, sl], valid[b, sl] = r, True
+    batched, _ = fwd(jnp.asarray(tokens), jnp.asarray(valid), None)
+    # the same through the cache, then two decode steps per row
+    cache = M.init_cache(cfg, 3, 16)
+    cached, cache = fwd(jnp.asarray(tokens), jnp.asarray(valid), cache)
+    nxt = rng.integers(0, cfg.vocab_size, (3, 2)).astype(np.int32)
+    dec1, cache = fwd(jnp.asarray(nxt[:, :1]), jnp.ones((3, 1), bool), cache)
+    dec2, cache = fwd(jnp.asarray(nxt[:, 1:]), jnp.ones((3, 1), bool), cache)
+    for b, r in enumerate(rows):
+        alone, _ = fwd(jnp.asarray(np.concatenate([r, nxt[b]]))[None], jnp.ones((1, len(r) + 2), bool),
+                       None)
+        np.testing.assert_allclose(batched[b][valid[b]], alone[0, :len(r)], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(cached[b][valid[b]], alone[0, :len(r)], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(dec1[b, 0], alone[0, len(r)], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(dec2[b, 0], alone[0, len(r) + 1], atol=1e-4, rtol=1e-4)
+    assert cache.pos.tolist() == [n + 2 for n in lengths]
+
+
+def test_append_chunks_at_row_offsets(tiny, fwd):
+    """Prompt, then an appended chunk and a decode step per row, each row at its own offset."""
+    cfg, _ = tiny
+    rng = np.random.default_rng(3)
+    prompt_len, chunk_len = [4, 8], [6, 2]
+    prompts = [rng.integers(0, cfg.vocab_size, n) for n in prompt_len]
+    chunks = [rng.integers(0, cfg.vocab_size, n) for n in chunk_len]
+    last = rng.integers(0, cfg.vocab_size, 2)
+
+    def right_padded(seqs, width):
+        t = np.zeros((2, width), np.int32)
+        v = np.zeros((2, width), bool)
+        for b, s in enumerate(seqs):
+            t[b, :len(s)], v[b, :len(s)] = s, True
+        return jnp.asarray(t), jnp.asarray(v)
+
+    cache = M.init_cache(cfg, 2, 24)
+    _, cache = fwd(*right_padded(prompts, 8), cache)
+    assert cache.end.tolist() == prompt_len  # right padding is overwritten by the next write
+    chunk_logits, cache = fwd(*right_padded(chunks, 6), cache)
+    step, cache = fwd(jnp.asarray(last[:, None]), jnp.ones((2, 1), bool), cache)
+    for b in range(2):
+        seq = np.concatenate([prompts[b], chunks[b], last[b:b + 1]])
+        full, _ = fwd(jnp.asarray(seq)[None], jnp.ones((1, len(seq)), bool), None)
+        p, c = prompt_len[b], chunk_len[b]
+        np.testing.assert_allclose(chunk_logits[b, :c], full[0, p:p + c], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(step[b, 0], full[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_finished_rows_are_untouched(tiny, fwd):
+    """A row with no valid tokens keeps its cache bit for bit, even right at the cache's end."""
+    cfg, _ = tiny
+    ids = jax.random.randint(jax.random.key(4), (2, 6), 0, cfg.vocab_size)
+    cache = M.init_cache(cfg, 2, 8)
+    _, cache = fwd(ids, jnp.asarray([[True] * 4 + [False] * 2, [True] * 6]), cache)
+    assert cache.end.tolist() == [4, 6]
+    _, after = fwd(ids[:, :4], jnp.asarray([[True] * 4, [False] * 4]), cache)
+    assert after.end.tolist() == [8, 6] and after.pos.tolist() == [8, 6]
+    for field in ("k", "v"):
+        np.testing.assert_array_equal(getattr(after, field)[:, 1], getattr(cache, field)[:, 1])
+    np.testing.assert_array_equal(after.valid[1], cache.valid[1])
+
+
+def test_every_weight_names_its_logical_axes():
+    cfg = weights.config_from_hf(hf_config_json(QWEN_LIKE), value_head=True)
+    axes = M.logical_axes(cfg)
+    shapes = M.abstract_params(cfg)
+    flat_axes = jax.tree_util.tree_leaves_with_path(axes, is_leaf=lambda x: isinstance(
+        x, jax.sharding.PartitionSpec))
+    assert len(flat_axes) == len(jax.tree_util.tree_leaves(shapes)) == 17
+    for path, spec in flat_axes:
+        leaf = shapes
+        for k in path:
+            leaf = leaf[k.key]
+        assert len(spec) == leaf.ndim, path
+        if "value_head" not in jax.tree_util.keystr(path):
+            assert all(a is not None for a in spec), path
+        if jax.tree_util.keystr(path).startswith("['layers']"):
+            assert spec[0] == "layers"
+
+
+def test_value_head_and_remat_gradients():
+    cfg, params, _ = _load(LLAMA_LIKE)
+    cfg = cfg.replace(value_head=True)
+    params = dict(params, value_head={"kernel": jnp.ones((cfg.hidden_size, 1)) * 0.1,
+                                      "bias": jnp.zeros((1,))})
+    ids = jax.random.randint(jax.random.key(5), (2, 6), 0, cfg.vocab_size)
+
+    def loss(p, c):
+        h, _ = M.hidden_states(p, c, ids, jnp.ones_like(ids, bool))
+        return M.head_values(p, c, h).sum() + M.head_logits(p, c, h).mean()
+
+    v, g = jax.value_and_grad(loss)(params, cfg)
+    v_r, g_r = jax.value_and_grad(loss)(params, cfg.replace(remat=True))
+    np.testing.assert_allclose(v, v_r, rtol=1e-6)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g, g_r)
+    h, _ = M.hidden_states(params, cfg, ids, jnp.ones_like(ids, bool))
+    assert M.head_values(params, cfg, h).shape == (2, 6)
+    assert float(jnp.abs(g["value_head"]["kernel"]).sum()) > 0
+    fresh = M.init_params(cfg, jax.random.key(0))
+    assert float(jnp.abs(M.head_values(fresh, cfg, h)).max()) == 0.0  # critic starts at zero
+
+
+def test_config_rejects_bad_heads():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        M.ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2,
+                      head_dim=4, intermediate_size=8)
