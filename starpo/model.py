@@ -334,7 +334,7 @@ def _init_boxed(cfg: ModelConfig, key: jax.Array):
 
 def init_params(cfg: ModelConfig, key: jax.Array):
     """Random parameters for `cfg`: a nested dict of arrays."""
-    return nn.meta.unbox(_init_boxed(cfg, key))
+    return jax.jit(lambda k: nn.meta.unbox(_init_boxed(cfg, k)))(key)
 
 
 def abstract_params(cfg: ModelConfig):
