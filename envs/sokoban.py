@@ -64,10 +64,89 @@ _MASKS = np.array(
     ],
     bool,
 )
+# Each mask as a 9-bit code, bit 3 * row + col.
+_MASK_CODES = np.array([int(sum(1 << i for i, v in enumerate(m.reshape(-1)) if v)) for m in _MASKS], np.int32)
 _CHANGE_DIRECTION_PROB = 0.35
+# Salts of the generator's independent random streams.
+_ROOMS, _CARVE, _PLACE, _WALKS, _WANDER = 1, 2, 3, 4, 5
 # The reference's post-generation wander: move at all with p 0.8 when the boxes sit 1 cell from
 # their targets in total (else 0.5), then keep going with p 0.5, at most 3 steps.
 _WANDER_PROB_NEAR, _WANDER_PROB, _WANDER_CONTINUE, _WANDER_STEPS = 0.8, 0.5, 0.5, 3
+
+
+# Generator performance notes. Batching is a vmap outside the env, which puts the batch on the
+# major axis of every array. XLA on CPU is then fast for work on per-env scalars (contiguous
+# [B] vectors) and slow for per-env small vectors indexed or sliced element by element (strided
+# access, and fusions that recompute chains). So the sequential parts (carving walk, reverse
+# play) are scans over per-env scalars, cell masks are bits in uint32 words kept as tuples of
+# scalars, and random numbers come from a counter hash inside the loops (threefry per number
+# would cost more than the generator's real work, and compiles slowly on CPU).
+
+
+def _hash32(x):
+    """A well-mixed uint32 -> uint32 hash (Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _stream_key(seed, salt):
+    """uint32 key of the random stream `salt` (a small int) of a generator seed."""
+    return _hash32(seed ^ jnp.uint32((salt * 0x85EBCA6B) & 0xFFFFFFFF))
+
+
+def _draw(stream, counter):
+    """uint32 random word number `counter` (int, any shape) of a stream key."""
+    return _hash32(stream + jnp.asarray(counter).astype(jnp.uint32) * jnp.uint32(0x9E3779B9))
+
+
+def _to_uniform(bits):
+    """float32 in [0, 1) from uint32 random bits (their top 24 bits)."""
+    return (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def _pack(cells):
+    """Tuple of uint32 words, bit i of word k = cells[32 k + i]. cells: bool[n]."""
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+    return tuple(
+        jnp.sum(jnp.where(cells[k : k + 32], weights[: cells[k : k + 32].shape[0]], jnp.uint32(0)), dtype=jnp.uint32)
+        for k in range(0, cells.shape[0], 32)
+    )
+
+
+def _test_bit(words, index):
+    """bool: bit `index` (int32, any shape, 0 <= index < 32 * len(words)) of packed `words`."""
+    hit = jnp.zeros(jnp.shape(index), bool)
+    for k, word in enumerate(words):
+        shift = jnp.clip(index - 32 * k, 0, 31).astype(jnp.uint32)
+        in_word = (index >= 32 * k) & (index < 32 * (k + 1))
+        hit = hit | (in_word & ((word >> shift) & 1).astype(bool))
+    return hit
+
+
+def _unpack_rows(rows, width):
+    """bool[h * width]: the cells of row bitmasks rows (uint32[h], bit j = column j)."""
+    cols = jnp.arange(width, dtype=jnp.uint32)
+    return ((rows[:, None] >> cols[None, :]) & 1).astype(bool).reshape(-1)
+
+
+def _flood_rows(passable, row, col, rounds):
+    """uint32[h] row bitmasks of the cells reachable from (row, col) in at most `rounds` moves
+    through `passable` cells (uint32[h] row bitmasks; the border must not be passable)."""
+    h = passable.shape[0]
+    pass_ = tuple(passable[k] for k in range(h))
+    start = jnp.left_shift(jnp.uint32(1), col.astype(jnp.uint32))
+    reach = tuple(jnp.where(row == k, start, jnp.uint32(0)) for k in range(h))
+
+    def grow(_, r):
+        zero = jnp.zeros_like(r[0])
+        up = r[1:] + (zero,)
+        down = (zero,) + r[:-1]
+        return tuple(r[k] | ((r[k] << 1) | (r[k] >> 1) | up[k] | down[k]) & pass_[k] for k in range(h))
+
+    return jnp.stack(jax.lax.fori_loop(0, rounds, grow, reach))
 
 
 def _uniform_int(u, n):
@@ -125,8 +204,8 @@ class Sokoban:
     num_boxes: int = 1
     max_steps: int = 100
     symbols: tuple = SYMBOLS
-    num_rooms: int = 4
-    num_walks: int = 16
+    num_rooms: int = 8
+    num_walks: int = 32
     walk_length: int = 24
 
     action_names = ACTION_NAMES
@@ -249,138 +328,205 @@ class Sokoban:
     # ---------------------------------------------------------------- reset
     def reset(self, key):
         """Generate a level from `key` alone (see the module doc). -> SokobanState."""
-        keys = jax.random.split(key, self.num_rooms + 1)
-        floor, player, boxes, targets, score = jax.vmap(self._candidate)(
-            keys[1:]
-        )  # [R, H*W], [R], [R, nb], [R, nb], [R]
-        first = jnp.argmax(score > 0)
-        ok = score[first] > 0
-        floor, player, boxes, targets = floor[first], player[first], boxes[first], targets[first]
-        displacement = self._displacement(boxes, targets)
-        player = self._wander(keys[0], floor, boxes, player, displacement)
+        h, w, nb = self.dim_x, self.dim_y, self.num_boxes
+        seed = jax.random.bits(key, (), jnp.uint32)
+        room_seeds = _draw(_stream_key(seed, _ROOMS), jnp.arange(self.num_rooms))  # [R]
+        floor_rows, player0, targets, plausible = jax.vmap(self._room)(room_seeds)
+        # Rooms that can possibly work go first (in draw order): reverse play, the expensive
+        # part, then rarely runs more than once.
+        order = jnp.argsort(~plausible, stable=True)
 
-        w = self.dim_y
-        cells = self.dim_x * self.dim_y
+        # Reverse-play rooms in that order until one scores > 0. Under vmap the loop runs until
+        # every lane is done, but a lane's level depends only on its own key, so a level is the
+        # same alone or in any batch.
+        def untried(carry):
+            i, (score, _, _) = carry
+            return (i < self.num_rooms) & (score <= 0)
+
+        def try_room(carry):
+            i, _ = carry
+            r = order[i]
+            return i + 1, self._reverse_play(floor_rows[r], player0[r], targets[r], room_seeds[r])
+
+        start = (jnp.zeros((), jnp.int32), (jnp.zeros((), jnp.int32), player0[0], targets[0]))
+        i, (score, player, boxes) = jax.lax.while_loop(untried, try_room, start)
+        r = order[i - 1]
+        floor, targets = _unpack_rows(floor_rows[r], w), targets[r]
+        player = self._wander(seed, floor, boxes, player, self._displacement(boxes, targets))
+
         room = jnp.where(floor, FLOOR, WALL).astype(jnp.int8).at[targets].set(TARGET)
-        box_grid = jnp.zeros(cells, bool).at[boxes].set(True)
-        fb_room, fb_boxes, fb_player = _fallback_layout(self.dim_x, self.dim_y, self.num_boxes)
+        box_grid = jnp.zeros(h * w, bool).at[boxes].set(True)
+        fb_room, fb_boxes, fb_player = _fallback_layout(h, w, nb)
+        ok = score > 0
         return SokobanState(
-            room=jnp.where(ok, room.reshape(self.dim_x, w), jnp.asarray(fb_room)),
-            boxes=jnp.where(ok, box_grid.reshape(self.dim_x, w), jnp.asarray(fb_boxes)),
+            room=jnp.where(ok, room.reshape(h, w), jnp.asarray(fb_room)),
+            boxes=jnp.where(ok, box_grid.reshape(h, w), jnp.asarray(fb_boxes)),
             player=jnp.where(ok, jnp.stack([player // w, player % w]), jnp.asarray(fb_player)).astype(jnp.int32),
             steps=jnp.zeros((), jnp.int32),
         )
 
-    def _carve(self, u):
-        """bool[H*W] floor cells of a random-walk room (the reference's topology generator).
+    def _room(self, seed):
+        """One candidate room with its player and targets (boxes on them), before reverse play.
 
-        u: float32[carve_draws] uniforms, the only randomness used.
+        seed: uint32[], the room's randomness. Returns floor_rows uint32[H] (bit j of row i:
+        cell (i, j) is floor), player int32[] and targets int32[nb] (flat cell indices), and
+        plausible bool[]: a cheap test that a pull is possible (exact for one box; for more
+        boxes a necessary condition).
+        """
+        h, w, nb = self.dim_x, self.dim_y, self.num_boxes
+        floor_rows = self._carve(_stream_key(seed, _CARVE))
+        floor = _unpack_rows(floor_rows, w)
+        # The player and the targets are the floor cells with the nb + 1 smallest random keys:
+        # a uniformly random distinct placement, as the reference's sequential draws.
+        priority = jnp.where(floor, _draw(_stream_key(seed, _PLACE), jnp.arange(h * w)), jnp.uint32(0xFFFFFFFF))
+        picks = []
+        for _ in range(nb + 1):
+            picks.append(jnp.argmin(priority).astype(jnp.int32))
+            priority = priority.at[picks[-1]].set(jnp.uint32(0xFFFFFFFF))
+        player, targets = picks[0], jnp.stack(picks[1:])
+
+        # Plausible: the player can reach a cell t + d beside a box (t a target) with t + 2d
+        # free, so it can pull at all; and every box has a free line for its own first pull.
+        box_rows = jnp.zeros(h, jnp.uint32).at[targets // w].add(
+            jnp.left_shift(jnp.uint32(1), (targets % w).astype(jnp.uint32))
+        )
+        # A shortest path visits each interior cell at most once: that many rounds suffice.
+        reach = _flood_rows(floor_rows & ~box_rows, player // w, player % w, (h - 2) * (w - 2))
+        reach = _unpack_rows(reach, w)
+        walkable = floor & ~_unpack_rows(box_rows, w)
+        offsets = jnp.array([-w, w, -1, 1], jnp.int32)
+        one = jnp.clip(targets[:, None] + offsets[None, :], 0, h * w - 1)  # [nb, 4]
+        two = jnp.clip(targets[:, None] + 2 * offsets[None, :], 0, h * w - 1)
+        # The first pull happens with every box on its target; later pulls may find other
+        # boxes moved, so each box's own line only needs floor.
+        first_pull = jnp.any(walkable[one] & walkable[two] & reach[one])
+        every_box = jnp.all(jnp.any(floor[one] & floor[two], axis=1))
+        enough_floor = jnp.sum(floor) > nb + 1  # the reference's own requirement
+        return floor_rows, player, targets, first_pull & every_box & enough_floor
+
+    def _carve(self, stream):
+        """uint32[H] floor rows of a random-walk room: the reference's topology generator.
+
+        stream: uint32[] random stream key. A scan over the walk's steps; each step may turn
+        (p 0.35, to a uniformly drawn direction), moves with the position clamped to the
+        interior, and ORs a random 3x3 stamp centred on the position into the rows.
         """
         h, w = self.dim_x, self.dim_y
-        n = int(1.7 * (h + w))
-        first_dir = _uniform_int(u[0], 4)
+        start = _draw(stream, jnp.arange(3))
+        first_dir = (start[0] & 3).astype(jnp.int32)
         # The reference draws the start in [1, h-1] x [1, w-1]; the first step clamps it.
-        start = jnp.stack([1 + _uniform_int(u[1], h - 1), 1 + _uniform_int(u[2], w - 1)])
-        change = u[3 : 3 + n] < _CHANGE_DIRECTION_PROB
-        new_dir = _uniform_int(u[3 + n : 3 + 2 * n], 4)
-        mask = _uniform_int(u[3 + 2 * n : 3 + 3 * n], 5)
-        # Direction at step t: the draw of the last change at or before t, else the first one.
-        last = jax.lax.cummax(jnp.where(change, jnp.arange(n), -1))
-        dirs = jnp.where(last >= 0, new_dir[jnp.maximum(last, 0)], first_dir)
-        moves = jnp.asarray(np.array([[1, 0], [0, 1], [-1, 0], [0, -1]], np.int32))[dirs]  # [n, 2]
-        hi = jnp.array([h - 2, w - 2])
+        row0 = 1 + _uniform_int(_to_uniform(start[1]), h - 1)
+        col0 = 1 + _uniform_int(_to_uniform(start[2]), w - 1)
 
-        def walk(pos, move):
-            pos = jnp.clip(pos + move, 1, hi)
-            return pos, pos
+        def step(carry, t):
+            row, col, direction, rows = carry
+            turn, pick = _draw(stream, 3 + 2 * t), _draw(stream, 4 + 2 * t)
+            direction = jnp.where(_to_uniform(turn) < _CHANGE_DIRECTION_PROB, (turn & 3).astype(jnp.int32), direction)
+            # Directions in the reference's order: down, right, up, left.
+            row = jnp.clip(row + jnp.where(direction == 0, 1, jnp.where(direction == 2, -1, 0)), 1, h - 2)
+            col = jnp.clip(col + jnp.where(direction == 1, 1, jnp.where(direction == 3, -1, 0)), 1, w - 2)
+            mask = _uniform_int(_to_uniform(pick), 5)
+            code = jnp.uint32(_MASK_CODES[4])
+            for m in range(3, -1, -1):
+                code = jnp.where(mask == m, jnp.uint32(_MASK_CODES[m]), code)
+            shift = (col - 1).astype(jnp.uint32)
+            new_rows = []
+            for k in range(h):
+                di = k - row + 1  # this row's place in the stamp, stamped if 0 <= di < 3
+                pattern = (code >> (3 * jnp.clip(di, 0, 2)).astype(jnp.uint32)) & jnp.uint32(7)
+                new_rows.append(rows[k] | jnp.where((di >= 0) & (di < 3), pattern << shift, jnp.uint32(0)))
+            return (row, col, direction, tuple(new_rows)), None
 
-        _, centres = jax.lax.scan(walk, start, moves)  # [n, 2], each in [1, h-2] x [1, w-2]
-        # Stamp all masks at once: cell (i, j) takes mask[t][i - r_t + 1, j - c_t + 1].
-        di = jnp.arange(h)[None, :, None] - centres[:, 0, None, None] + 1  # [n, h, 1]
-        dj = jnp.arange(w)[None, None, :] - centres[:, 1, None, None] + 1  # [n, 1, w]
-        near = (di >= 0) & (di < 3) & (dj >= 0) & (dj < 3)
-        stamps = jnp.asarray(_MASKS)[mask[:, None, None], jnp.clip(di, 0, 2), jnp.clip(dj, 0, 2)]
-        floor = jnp.any(stamps & near, axis=0)
-        interior = np.zeros((h, w), bool)
-        interior[1:-1, 1:-1] = True
-        return (floor & interior).reshape(-1)
-
-    @property
-    def _carve_draws(self):
-        return 3 + 3 * int(1.7 * (self.dim_x + self.dim_y))
+        rows0 = tuple(jnp.zeros((), jnp.uint32) for _ in range(h))
+        n = int(1.7 * (h + w))  # the reference's number of carving steps
+        (_, _, _, rows), _ = jax.lax.scan(step, (row0, col0, first_dir, rows0), jnp.arange(n))
+        interior = ((1 << (w - 1)) - 1) & ~1  # columns 1 .. w-2; rows 0 and h-1 stay walls
+        return jnp.stack([jnp.uint32(0)] + [r & jnp.uint32(interior) for r in rows[1:-1]] + [jnp.uint32(0)])
 
     def _displacement(self, boxes, targets):
         """int32[]: total Manhattan distance of each box (flat index) from its own target."""
         w = self.dim_y
         return jnp.sum(jnp.abs(boxes // w - targets // w) + jnp.abs(boxes % w - targets % w))
 
-    def _candidate(self, key):
-        """One candidate level: carve, place, reverse-play.
+    def _reverse_play(self, floor_rows, player0, targets, seed):
+        """Random reverse-play walks from the solved state; the best-scoring state wins.
 
-        Returns (floor bool[H*W], player int32[], boxes int32[nb], targets int32[nb],
-        score int32[]), cells as flat indices; score > 0 iff the level is usable.
+        floor_rows: uint32[H]; player0: int32[]; targets: int32[nb] (boxes start on them);
+        seed: uint32[] of the room. Returns (score int32[], player int32[], boxes int32[nb]),
+        flat cell indices; score > 0 iff a usable state was found.
         """
-        nb, w = self.num_boxes, self.dim_y
-        cells = self.dim_x * self.dim_y
-        # One draw feeds everything: each separate PRNG call costs seconds of XLA compile on CPU.
-        u = jax.random.uniform(key, (self._carve_draws + cells + self.num_walks * self.walk_length,))
-        u_room, u_place, u_walks = jnp.split(u, [self._carve_draws, self._carve_draws + cells])
-        floor = self._carve(u_room)
-        # A random order of the floor cells: the first is the player, the next nb the targets
-        # (a uniformly random distinct placement, as the reference's sequential draws).
-        priority = jnp.where(floor, u_place, 2.0)
-        order = jnp.argsort(priority)
-        player0, targets = order[0], order[1 : 1 + nb]
-        enough_floor = jnp.sum(floor) > nb + 1  # the reference's own requirement
-        is_target = jnp.zeros_like(floor).at[targets].set(True)
-        offsets = jnp.array([-w, w, -1, 1], jnp.int32)  # Up, Down, Left, Right on flat indices
+        nb, w, cells = self.num_boxes, self.dim_y, self.dim_x * self.dim_y
+        floor_bits = _pack(_unpack_rows(floor_rows, w))
+        target_bits = _pack(jnp.zeros(cells, bool).at[targets].set(True))
+        target = tuple(targets[j] for j in range(nb))
+        offsets = (-w, w, -1, 1)  # Up, Down, Left, Right on flat indices
 
-        def reverse_walk(u):
-            def pull_step(carry, u_t):
-                player, boxes, back, swaps, last, best = carry
-                ahead = player + offsets  # [4] in range: the player is always interior
-                open_ = floor[ahead] & ~jnp.any(ahead[:, None] == boxes[None, :], axis=1)
-                # Step uniformly among the open directions, except straight back after a plain
-                # move (that only undoes it): no step is wasted, so short walks reach as far as
-                # the reference's exhaustive search needs.
-                choice = open_ & (jnp.arange(4) != back)
-                choice = jnp.where(jnp.any(choice), choice, open_)
-                rank = _uniform_int(u_t, jnp.maximum(jnp.sum(choice), 1))
-                direction = jnp.argmax(choice & (jnp.cumsum(choice) == rank + 1))
-                can_move = choice[direction]
-                pulled = can_move & (boxes == player - offsets[direction])  # [nb], <= one True
-                boxes = jnp.where(pulled, player, boxes)
-                player = jnp.where(can_move, ahead[direction], player)
-                any_pull = jnp.any(pulled)
-                back = jnp.where(can_move & ~any_pull, direction ^ 1, -1)  # Up<->Down, Left<->Right
-                which = jnp.argmax(pulled)
-                swaps = swaps + (any_pull & (which != last))
-                last = jnp.where(any_pull, which, last)
-                clear = ~jnp.any(is_target[boxes]) & ~is_target[player]
-                score = jnp.where(clear, swaps * self._displacement(boxes, targets), 0)
-                better = score > best[0]  # strict: keep the first state reaching a score
-                best = jax.tree.map(
-                    lambda new, old: jnp.where(better, new, old), (score, player, boxes), best
-                )
-                return (player, boxes, back, swaps, last, best), None
+        def displacement(boxes):
+            return sum(jnp.abs(b // w - t // w) + jnp.abs(b % w - t % w) for b, t in zip(boxes, target))
 
+        def pull_step(carry, t):
+            player, boxes, back, swaps, last, best, stream = carry
+            open_ = []
+            for off in offsets:
+                ahead = player + off  # in range: the player is always interior
+                free = _test_bit(floor_bits, ahead)
+                for b in boxes:
+                    free = free & (b != ahead)
+                open_.append(free)
+            # Step uniformly among the open directions, except straight back after a plain move
+            # (that only undoes it): no step is wasted, so short walks reach as far as the
+            # reference's exhaustive search needs.
+            choice = [o & (back != d) for d, o in enumerate(open_)]
+            any_choice = choice[0] | choice[1] | choice[2] | choice[3]
+            choice = [jnp.where(any_choice, c, o).astype(jnp.int32) for c, o in zip(choice, open_)]
+            end0 = choice[0]
+            end1 = end0 + choice[1]
+            end2 = end1 + choice[2]
+            end3 = end2 + choice[3]
+            rank = jnp.floor(_to_uniform(_draw(stream, t)) * end3).astype(jnp.int32)
+            direction = (rank >= end0).astype(jnp.int32) + (rank >= end1) + (rank >= end2)
+            can_move = end3 > 0
+            off = jnp.where(direction == 0, offsets[0], jnp.where(direction == 1, offsets[1], jnp.where(direction == 2, offsets[2], offsets[3])))
+            behind = player - off
+            pulled = [can_move & (b == behind) for b in boxes]  # at most one True
+            boxes = tuple(jnp.where(p, player, b) for p, b in zip(pulled, boxes))
+            player = jnp.where(can_move, player + off, player)
+            any_pull = pulled[0]
+            which = jnp.zeros((), jnp.int32)
+            for j in range(1, nb):
+                any_pull = any_pull | pulled[j]
+                which = jnp.where(pulled[j], j, which)
+            back = jnp.where(can_move & ~any_pull, direction ^ 1, -1)  # Up<->Down, Left<->Right
+            swaps = swaps + (any_pull & (which != last))
+            last = jnp.where(any_pull, which, last)
+            clear = ~_test_bit(target_bits, player)
+            for b in boxes:
+                clear = clear & ~_test_bit(target_bits, b)
+            score = jnp.where(clear, swaps * displacement(boxes), 0)
+            better = score > best[0]  # strict: keep the first state reaching a score
+            best = jax.tree.map(lambda new, old: jnp.where(better, new, old), (score, player, boxes), best)
+            return (player, boxes, back, swaps, last, best, stream), None
+
+        def reverse_walk(stream):
             zero, none = jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32)
-            carry = (player0, targets, none, zero, none, (zero, player0, targets))
-            (_, _, _, _, _, best), _ = jax.lax.scan(pull_step, carry, u)
+            carry = (player0, target, none, zero, none, (zero, player0, target), stream)
+            (*_, best, _), _ = jax.lax.scan(pull_step, carry, jnp.arange(self.walk_length))
             return best
 
-        scores, players, boxes = jax.vmap(reverse_walk)(
-            u_walks.reshape(self.num_walks, self.walk_length)
-        )
+        walk_streams = _draw(_stream_key(seed, _WALKS), jnp.arange(self.num_walks))
+        scores, players, boxes = jax.vmap(reverse_walk)(walk_streams)
         top = jnp.argmax(scores)
-        score = jnp.where(enough_floor, scores[top], 0)
-        return floor, players[top], boxes[top], targets, score
+        return scores[top], players[top], jnp.stack([b[top] for b in boxes])
 
-    def _wander(self, key, floor, boxes, player, displacement):
-        """The reference's post-generation random walk of the player (no pushes, no revisits)."""
+    def _wander(self, seed, floor, boxes, player, displacement):
+        """The reference's post-generation random walk of the player (no pushes, no revisits).
+
+        seed: uint32[] of the level; floor: bool[H*W]; boxes: int32[nb]; player: int32[]
+        (flat). Returns the new player cell.
+        """
         w = self.dim_y
         offsets = jnp.array([-w, w, -1, 1], jnp.int32)
-        u = jax.random.uniform(key, (1 + 5 * _WANDER_STEPS,))
+        u = _to_uniform(_draw(_stream_key(seed, _WANDER), jnp.arange(1 + 5 * _WANDER_STEPS)))
         p_go = jnp.where(displacement == 1, _WANDER_PROB_NEAR, _WANDER_PROB)
         active = u[0] < p_go
         visited = jnp.full((_WANDER_STEPS + 1,), -1, jnp.int32).at[0].set(player)
