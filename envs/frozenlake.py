@@ -122,10 +122,11 @@ class FrozenLake:
     def reset(self, key):
         """Draw a random valid map and put the player on its start cell. -> FrozenLakeState."""
         n, m = self.size, self.num_candidates
-        k_ice, k_start, k_goal = jax.random.split(key, 3)
-        frozen = jax.random.uniform(k_ice, (m, n, n)) < self.p  # [m, n, n]
-        start = jax.random.randint(k_start, (m, 2), 0, n)  # [m, 2]
-        goal = jax.random.randint(k_goal, (m, 2), 0, n)  # [m, 2]
+        # One uniform draw for everything (jax.random.randint compiles slowly on CPU).
+        u = jax.random.uniform(key, (m, n * n + 4))
+        frozen = u[:, : n * n].reshape(m, n, n) < self.p  # [m, n, n]
+        cells = jnp.minimum(jnp.floor(u[:, n * n :] * n).astype(jnp.int32), n - 1)
+        start, goal = cells[:, :2], cells[:, 2:]  # [m, 2] each, uniform over the grid
         rows = jnp.arange(m)
         grid = jnp.where(frozen, FROZEN, HOLE).astype(jnp.int8)
         # Start and goal overwrite whatever was drawn under them, as in the reference.
@@ -150,7 +151,7 @@ class FrozenLake:
         the goal), `action_is_effective` (player cell changed), `action_is_valid` (1 <= a <= 4).
         """
         if self.is_slippery:
-            slip = jax.random.randint(key, (), -1, 2)
+            slip = jnp.minimum(jnp.floor(jax.random.uniform(key) * 3).astype(jnp.int32), 2) - 1
         else:
             slip = jnp.zeros((), jnp.int32)
         return self.move(state, action, slip)
