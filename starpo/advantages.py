@@ -1,0 +1,204 @@
+"""Rewards to tokens, reward normalisation, and the advantage estimators (GAE, bi-level GAE, GRPO).
+
+All functions are pure and jittable, with no Python loops over rows, groups or tokens: group
+statistics use a [B,B] same-group matrix (B is the episode count, small), GAE is a reverse
+`lax.scan` over time that carries the next value/advantage past tokens the model did not write.
+
+Alignment: `values[b,t]` is the critic's estimate of the state just before token t was written
+(computed from the hidden state at t-1), the same alignment as `Trajectory.sample_logprobs`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+GROUPINGS = ("state", "batch", "inductive")
+NORM_METHODS = ("identity", "mean", "mean_std", "asym_clip")
+
+# Below this in-group std a group counts as constant (its normalised scores are 0), and the
+# epsilon added to std before dividing; both as in the reference, which runs in bf16.
+STD_EPS = 1e-6
+# The asymmetric clip of `asym_clip` normalisation (the reference's clamp): a bad episode can pull
+# its tokens down by at most 1 std, a rare good one up by 3.
+ASYM_CLIP = (-1.0, 3.0)
+
+
+# ----------------------------------------------------------------------------- group statistics
+def group_mean_std(x: jax.Array, key: jax.Array):
+    """Per-row statistics of the row's group (rows with equal `key`).
+
+    x: f32[B]; key: int[B]. Returns (mean f32[B], unbiased std f32[B], size int32[B]); the std of
+    a single-member group is 0. Rows of one group get bit-identical statistics.
+    """
+    same = key[:, None] == key[None, :]  # [B,B]
+    n = same.sum(axis=1)
+    mean = jnp.where(same, x[None, :], 0.0).sum(axis=1) / n
+    dev = jnp.where(same, x[None, :] - mean[:, None], 0.0)
+    var = (dev * dev).sum(axis=1) / jnp.maximum(n - 1, 1)
+    return mean, jnp.sqrt(var), n.astype(jnp.int32)
+
+
+def grouping_key(grouping: str, group_id: jax.Array, tag: jax.Array) -> jax.Array:
+    """The int[B] key that defines normalisation groups: initial state, env tag, or one batch."""
+    if grouping == "state":
+        return group_id
+    if grouping == "inductive":
+        return tag
+    if grouping == "batch":
+        return jnp.zeros_like(group_id)
+    raise ValueError(f"unknown reward normalisation grouping {grouping!r} (one of {GROUPINGS})")
+
+
+def normalize_scores(score: jax.Array, key: jax.Array, method: str):
+    """Normalise trajectory rewards within groups before advantages are computed.
+
+    score: f32[B] trajectory rewards; key: int[B] group key (`grouping_key`).
+    Returns (normalised f32[B], scale f32[B]): `scale` is the factor applied to rewards (1/std,
+    or 1), used to spread a normalised score over per-turn rewards.
+
+    identity:  unchanged.
+    mean:      score - group mean.
+    mean_std:  (score - mean) / (std + 1e-6); 0 for a group whose std is <= 1e-6.
+    asym_clip: mean_std, then clipped to [-1, 3] (a rare success can stand out up to 3 std,
+               failures weigh at most 1 std) - the reference's definition.
+    A single-member group has no baseline to compare with and keeps its raw score (so a batch of
+    singletons trains as plain REINFORCE, as the reference does).
+    """
+    if method not in NORM_METHODS:
+        raise ValueError(f"unknown reward normalisation method {method!r} (one of {NORM_METHODS})")
+    ones = jnp.ones_like(score)
+    if method == "identity":
+        return score, ones
+    mean, std, n = group_mean_std(score, key)
+    single = n == 1
+    if method == "mean":
+        return jnp.where(single, score, score - mean), ones
+    constant = std <= STD_EPS
+    scale = jnp.where(constant, 0.0, 1.0 / (std + STD_EPS))
+    normalised = (score - mean) * scale
+    if method == "asym_clip":
+        normalised = jnp.clip(normalised, *ASYM_CLIP)
+    return jnp.where(single, score, normalised), jnp.where(single, 1.0, scale)
+
+
+# ----------------------------------------------------------------------------- rewards to tokens
+def scatter_turns(turn_end: jax.Array, values: jax.Array, length: int) -> jax.Array:
+    """Place values f32[B,M] at positions turn_end int[B,M] of a zero f32[B,length] row.
+
+    Turns with turn_end = -1 are dropped; `where` (not a product) keeps a NaN from leaking into
+    other positions.
+    """
+    hit = turn_end[:, :, None] == jnp.arange(length)[None, None, :]  # [B,M,T]
+    return jnp.where(hit, values[:, :, None], 0.0).sum(axis=1)
+
+
+def token_rewards(turn_end, turn_reward, normalised_score, scale, length: int,
+                  use_turn_scores: bool) -> jax.Array:
+    """Token-level rewards f32[B,T] from (normalised) episode scores.
+
+    Trajectory mode: the whole normalised score on the last model token (the last turn's end).
+    Per-turn mode: turn k's reward times `scale` on turn k's last token, and the rest of the
+    normalised score (the penalty, the normalisation shift and any clipping) on the last turn, so
+    the token rewards of a row always sum to its normalised score in both modes.
+    An episode without any model token has nowhere to carry a reward and gets none.
+    turn_end int[B,M], turn_reward f32[B,M], normalised_score f32[B], scale f32[B].
+    """
+    last = jnp.max(turn_end, axis=1)  # [B]; -1 when no turn happened
+    if not use_turn_scores:
+        return scatter_turns(last[:, None], normalised_score[:, None], length)
+    per_turn = jnp.where(turn_end >= 0, turn_reward * scale[:, None], 0.0)  # [B,M]
+    rest = normalised_score - per_turn.sum(axis=1)
+    return scatter_turns(turn_end, per_turn, length) + scatter_turns(last[:, None], rest[:, None],
+                                                                     length)
+
+
+# ----------------------------------------------------------------------------- estimators
+def masked_whiten(x: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """(x - mean) / sqrt(var + eps) over the masked entries (unbiased var); 0 elsewhere."""
+    n = mask.sum()
+    mean = jnp.where(mask, x, 0.0).sum() / jnp.maximum(n, 1)
+    dev = jnp.where(mask, x - mean, 0.0)
+    var = (dev * dev).sum() / jnp.maximum(n - 1, 1)
+    return jnp.where(mask, dev * jax.lax.rsqrt(var + eps), 0.0)
+
+
+def _reverse_gae(rewards, values, mask, gamma, lam, end=None, end_return=None):
+    """Reverse scan over axis 1 of [B,N] arrays, skipping unmasked steps.
+
+    At a masked step: delta = r + gamma * V(next masked step) - V, A = delta + gamma*lam*A(next).
+    Unmasked steps pass the carry through untouched (they are not decisions of the model).
+    Where `end` is set the step is terminal for the token-level recursion and its target is
+    `end_return` (bi-level GAE): A = end_return - V.
+    """
+    B = rewards.shape[0]
+    if end is None:
+        end = jnp.zeros_like(mask)
+        end_return = jnp.zeros_like(rewards)
+
+    def step(carry, x):
+        next_value, next_adv = carry
+        r, v, m, e, g = x
+        adv = jnp.where(e, g - v, r + gamma * next_value - v + gamma * lam * next_adv)
+        carry = (jnp.where(m, v, next_value), jnp.where(m, adv, next_adv))
+        return carry, jnp.where(m, adv, 0.0)
+
+    zeros = jnp.zeros((B,), rewards.dtype)
+    xs = tuple(a.T for a in (rewards, values, mask, end, end_return))  # time-major [N,B]
+    _, adv = jax.lax.scan(step, (zeros, zeros), xs, reverse=True)
+    return adv.T
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Token-level GAE over the model's tokens.
+
+    rewards, values: f32[B,T]; mask: bool[B,T] (loss_mask). The recursion runs over model tokens
+    only: an observation between two turns is skipped, so the last token of a turn bootstraps
+    from the value of the next turn's first model token and environment tokens never get or pass
+    on value. Returns (advantages, returns) f32[B,T], 0 off the mask; returns = A + V.
+    """
+    adv = _reverse_gae(rewards, values, mask, gamma, lam)
+    return adv, jnp.where(mask, adv + values, 0.0)
+
+
+def bi_level_gae(rewards, values, mask, turn_end, gamma: float, lam: float,
+                 high_level_gamma: float):
+    """Two-level GAE: turn-level GAE across turns, then token-level GAE inside each turn.
+
+    rewards, values: f32[B,T]; mask: bool[B,T]; turn_end: int[B,M] (explicit, so a turn whose
+    reward is 0 is still a turn). Turn k's reward is the token reward at its last token and its
+    value the value there (as in the reference). High level, over turns that happened:
+      A_k = r_k + hg * V_{k+1} - V_k + hg * lam * A_{k+1},   G_k = A_k + V_k.
+    Low level, inside turn k: the last token's target is G_k (A = G_k - V), earlier tokens use
+    ordinary GAE with `gamma` (and their own token rewards, e.g. a KL penalty).
+    Returns (advantages, returns) f32[B,T], 0 off the mask.
+    """
+    happened = turn_end >= 0
+    at = jnp.maximum(turn_end, 0)
+    turn_values = jnp.take_along_axis(values, at, axis=1)  # [B,M]
+    turn_rewards = jnp.where(happened, jnp.take_along_axis(rewards, at, axis=1), 0.0)
+    turn_adv = _reverse_gae(turn_rewards, turn_values, happened, high_level_gamma, lam)
+    T = rewards.shape[1]
+    end = (turn_end[:, :, None] == jnp.arange(T)[None, None, :]).any(axis=1) & mask  # [B,T]
+    end_return = scatter_turns(turn_end, turn_adv + turn_values, T)
+    adv = _reverse_gae(rewards, values, mask, gamma, lam, end, end_return)
+    return adv, jnp.where(mask, adv + values, 0.0)
+
+
+def grpo(score, group_id, mask, norm_by_std: bool):
+    """GRPO: each row's score against its group, broadcast to the row's model tokens.
+
+    score: f32[B] (trajectory reward after normalisation); group_id: int[B]; mask: bool[B,T].
+    A = (score - group mean) / (group std + 1e-6), or without the division when `norm_by_std`
+    is off. A group whose rewards are all equal gives 0; a single-member group has no baseline:
+    mean 0 and std 1 (the reference's convention), so its advantage is its score.
+    Returns (advantages, returns) f32[B,T]; returns = advantages (there is no critic).
+    """
+    mean, std, n = group_mean_std(score, group_id)
+    single = n == 1
+    mean = jnp.where(single, 0.0, mean)
+    centred = score - mean
+    if norm_by_std:
+        centred = centred / jnp.where(single, 1.0, std + STD_EPS)
+    adv = jnp.where(mask, centred[:, None], 0.0)
+    return adv, adv

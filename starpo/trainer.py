@@ -1,0 +1,519 @@
+"""The StarPO / StarPO-S update: one rollout batch in, k optimizer updates out, one `jax.jit`.
+
+    update(state, traj, key, ref_params=None) -> (state, metrics)
+
+1. Trajectory rewards (turn rewards + penalty) are normalised within their groups.
+2. StarPO-S filter: keep round(ratio * groups) groups by in-group reward std, gathered into a
+   smaller static-size batch (everything after this runs on the kept rows only).
+3. The training forward recomputes old log-probs (and critic values, reference log-probs when a
+   KL term needs them), micro-batch by micro-batch; the sampler/trainer gap is logged.
+4. Rewards go onto tokens; advantages by GAE / bi-level GAE / GRPO.
+5. Online-k: k mini-batch updates (`lax.scan`), each accumulating gradients over micro-batches
+   (`lax.scan`) and applying AdamW with global-norm clipping to the actor and the critic. An
+   update whose loss or gradients are not finite is skipped and counted.
+
+The state is donated. Knob names follow the reference (REFERENCE.md section 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from starpo import advantages as adv_lib
+from starpo import filtering, losses
+from starpo import model as model_lib
+from starpo.model import ModelConfig
+from starpo.trajectory import Trajectory
+
+ESTIMATORS = ("gae", "bi_level_gae", "grpo")
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """Algorithm knobs (hashable). Defaults are the reference's (REFERENCE.md section 4)."""
+
+    # advantages
+    adv_estimator: str = "gae"  # gae | bi_level_gae | grpo
+    gamma: float = 1.0
+    lam: float = 1.0
+    high_level_gamma: float = 0.95  # turn-level discount of bi_level_gae
+    norm_adv_by_std_in_grpo: bool = True
+    use_turn_scores: bool = False  # per-turn rewards on each turn's last token
+    reward_norm_grouping: str = "state"  # state (group_id) | batch | inductive (env tag)
+    reward_norm_method: str = "identity"  # identity | mean | mean_std | asym_clip
+    # StarPO-S rollout filter; rows are env_groups x group_size
+    group_size: int = 16
+    rollout_filter_ratio: float = 0.25  # 1.0 keeps every group
+    rollout_filter_type: str = "std"  # std (keep highest in-group std) | std_rev (lowest)
+    # policy loss
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0  # dual clip for negative advantages
+    entropy_coeff: float = 0.001
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3)
+    use_kl_in_reward: bool = False  # subtract kl_coef * KL from every model token's reward
+    kl_penalty: str = "kl"  # estimator of the in-reward KL (same choices)
+    kl_coef: float = 0.001
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # critic
+    cliprange_value: float = 0.5
+    # optimisation (AdamW; warm-up is linear over optimizer steps)
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    grad_clip: float = 1.0  # global-norm clip
+    critic_warmup: int = 0  # rollout batches during which only the critic is trained
+    ppo_mini_batch_size: int = 32  # rows (episodes) per optimizer update
+    micro_batch_size: int = 4  # rows per forward/backward (gradient accumulation)
+    ppo_epochs: int = 1
+    online_k: int = 0  # optimizer updates per rollout batch; 0 = ppo_epochs * mini-batches
+    logit_chunk_size: int = 0  # tokens per chunk of the log-prob head; 0 = whole sequence
+
+    def __post_init__(self):
+        choices = {
+            "adv_estimator": ESTIMATORS, "reward_norm_grouping": adv_lib.GROUPINGS,
+            "reward_norm_method": adv_lib.NORM_METHODS,
+            "rollout_filter_type": filtering.FILTER_TYPES, "kl_loss_type": losses.KL_TYPES,
+            "kl_penalty": losses.KL_TYPES, "loss_agg_mode": losses.LOSS_AGG_MODES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in ("group_size", "ppo_mini_batch_size", "micro_batch_size", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.rollout_filter_ratio <= 1.0:
+            raise ValueError(f"rollout_filter_ratio must be in (0, 1], got "
+                             f"{self.rollout_filter_ratio}")
+
+    def replace(self, **changes) -> "AlgoConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.adv_estimator != "grpo"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.use_kl_loss or self.use_kl_in_reward
+
+
+# ----------------------------------------------------------------------------- state
+@struct.dataclass
+class TrainState:
+    """Everything the update changes. Critic fields are None without a critic (grpo).
+
+    step:          int32[]  rollout batches consumed (critic warm-up counts these)
+    actor_steps:   int32[]  optimizer updates applied to the actor (the lr schedule's clock)
+    critic_steps:  int32[]  the same for the critic
+    """
+
+    step: jax.Array
+    actor_steps: jax.Array
+    critic_steps: jax.Array
+    actor_params: Any
+    actor_opt_state: Any
+    critic_params: Any
+    critic_opt_state: Any
+
+
+def lr_schedule(lr: float, warmup_steps: int):
+    """Linear warm-up to `lr` over `warmup_steps` optimizer updates (the first one uses
+    lr / warmup_steps, not 0), then constant."""
+    if warmup_steps <= 0:
+        return lambda count: jnp.float32(lr)
+    return lambda count: lr * jnp.minimum(1.0, (count + 1.0) / warmup_steps)
+
+
+def make_optimizer(lr: float, algo: AlgoConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with warm-up."""
+    return optax.chain(
+        optax.clip_by_global_norm(algo.grad_clip),
+        optax.adamw(lr_schedule(lr, algo.warmup_steps), b1=algo.adam_b1, b2=algo.adam_b2,
+                    weight_decay=algo.weight_decay))
+
+
+def init_train_state(algo: AlgoConfig, actor_params, critic_params=None) -> TrainState:
+    """A fresh state. `critic_params` (a model with `value_head=True`) is required by gae and
+    bi_level_gae and ignored by grpo."""
+    if algo.uses_critic and critic_params is None:
+        raise ValueError(f"adv_estimator={algo.adv_estimator} needs critic_params")
+    critic = critic_params if algo.uses_critic else None
+    # three separate buffers: the state is donated, and one buffer cannot be donated twice
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), actor_steps=jnp.zeros((), jnp.int32),
+        critic_steps=jnp.zeros((), jnp.int32),
+        actor_params=actor_params,
+        actor_opt_state=make_optimizer(algo.actor_lr, algo).init(actor_params),
+        critic_params=critic,
+        critic_opt_state=None if critic is None else make_optimizer(algo.critic_lr, algo).init(
+            critic))
+
+
+@struct.dataclass
+class Batch:
+    """Kept rows, ready for PPO. All [N,T]; N = kept rows. Optional fields are None when unused.
+
+    tokens int32, valid bool, loss_mask bool (model tokens, within valid), old_logprobs f32
+    (training forward before the updates), ref_logprobs f32 | None, old_values f32 | None,
+    advantages f32, returns f32.
+    """
+
+    tokens: jax.Array
+    valid: jax.Array
+    loss_mask: jax.Array
+    old_logprobs: jax.Array
+    ref_logprobs: jax.Array | None
+    old_values: jax.Array | None
+    advantages: jax.Array
+    returns: jax.Array
+
+
+# ----------------------------------------------------------------------------- forward passes
+def _shift_right(x: jax.Array) -> jax.Array:
+    """[B,T-1] predictions made at positions 0..T-2 -> [B,T] aligned with the token they
+    predict (position 0 has no prediction: 0)."""
+    return jnp.pad(x, ((0, 0), (1, 0)))
+
+
+def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0):
+    """Log-prob and entropy f32[B,T] of each token under the model, aligned with the token.
+
+    With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
+    rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
+    """
+    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid)
+    h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
+
+    def head(params, h, y):
+        return losses.logprobs_and_entropy(model_lib.head_logits(params, cfg, h), y)
+
+    B, n, D = h.shape
+    if chunk <= 0 or chunk >= n:
+        logp, entropy = head(params, h, targets)
+    else:
+        count = -(-n // chunk)
+        pad = count * chunk - n
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, count, chunk, D).swapaxes(0, 1)
+        y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, count, chunk).swapaxes(0, 1)
+        one = jax.checkpoint(head)
+        logp, entropy = jax.lax.map(lambda xs: one(params, *xs), (h, y))  # [count,B,chunk]
+        logp = logp.swapaxes(0, 1).reshape(B, -1)[:, :n]
+        entropy = entropy.swapaxes(0, 1).reshape(B, -1)[:, :n]
+    return _shift_right(logp), _shift_right(entropy)
+
+
+def token_values(params, cfg: ModelConfig, tokens, valid):
+    """Critic values f32[B,T]: V of the state before each token (hidden state at t-1)."""
+    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid)
+    return _shift_right(model_lib.head_values(params, cfg, hidden[:, :-1]))
+
+
+def _micro_split(tree, micro: int):
+    """[N,...] leaves -> [N/micro, micro, ...]."""
+    return jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]), tree)
+
+
+def _micro_map(fn, micro: int, *arrays):
+    """fn over micro-batches of the leading axis, results concatenated back to [N,...]."""
+    out = jax.lax.map(lambda xs: fn(*xs), _micro_split(arrays, micro))
+    return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
+
+
+def _masked_stats(prefix: str, x, mask) -> dict:
+    n = jnp.maximum(mask.sum(), 1)
+    return {f"{prefix}/mean": jnp.where(mask, x, 0.0).sum() / n,
+            f"{prefix}/max": jnp.where(mask, x, -jnp.inf).max(),
+            f"{prefix}/min": jnp.where(mask, x, jnp.inf).min()}
+
+
+def _micro_size(algo: AlgoConfig, rows: int) -> int:
+    micro = min(algo.micro_batch_size, rows)
+    if rows % micro:
+        raise ValueError(f"{rows} rows are not a multiple of micro_batch_size {micro}")
+    return micro
+
+
+# ----------------------------------------------------------------------------- prepare
+def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None):
+    """prepare(state, traj, ref_params=None) -> (Batch, metrics): normalise, filter, recompute
+    log-probs/values, rewards to tokens, advantages. Pure; jit it or call it inside a jit."""
+    if algo.uses_critic and critic_cfg is None:
+        raise ValueError(f"adv_estimator={algo.adv_estimator} needs critic_cfg")
+
+    def prepare(state: TrainState, traj: Trajectory, ref_params=None):
+        if algo.uses_reference and ref_params is None:
+            raise ValueError("use_kl_loss / use_kl_in_reward need ref_params")
+        B, T = traj.tokens.shape
+        score = traj.score
+        key = adv_lib.grouping_key(algo.reward_norm_grouping, traj.group_id, traj.tag)
+        normalised, scale = adv_lib.normalize_scores(score, key, algo.reward_norm_method)
+        rows, metrics = filtering.filter_rows(score, algo.group_size, algo.rollout_filter_ratio,
+                                              algo.rollout_filter_type)
+        if rows.shape[0] < B:
+            traj = traj.take(rows)
+            normalised, scale, score = normalised[rows], scale[rows], score[rows]
+        N = rows.shape[0]
+        valid = traj.valid
+        mask = traj.loss_mask & valid
+        micro = _micro_size(algo, N)
+
+        def logp_of(params):
+            fn = lambda t, v: token_logprobs(params, actor_cfg, t, v, algo.logit_chunk_size)[0]
+            return _micro_map(fn, micro, traj.tokens, valid)
+
+        old_logp = logp_of(state.actor_params)
+        ref_logp = logp_of(ref_params) if algo.uses_reference else None
+        rewards = adv_lib.token_rewards(traj.turn_end, traj.turn_reward, normalised, scale, T,
+                                        algo.use_turn_scores)
+        if algo.use_kl_in_reward:
+            kl = losses.kl_estimate(old_logp, ref_logp, algo.kl_penalty)
+            rewards = rewards - algo.kl_coef * jnp.where(mask, kl, 0.0)
+
+        values = None
+        if algo.adv_estimator == "grpo":
+            advantages, returns = adv_lib.grpo(rewards.sum(axis=1), traj.group_id, mask,
+                                               algo.norm_adv_by_std_in_grpo)
+        else:
+            values = _micro_map(lambda t, v: token_values(state.critic_params, critic_cfg, t, v),
+                                micro, traj.tokens, valid)
+            values = jnp.where(mask, values, 0.0)
+            if algo.adv_estimator == "gae":
+                advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
+            else:
+                advantages, returns = adv_lib.bi_level_gae(
+                    rewards, values, mask, traj.turn_end, algo.gamma, algo.lam,
+                    algo.high_level_gamma)
+            # PPO whitens token advantages over the batch (as the reference does)
+            advantages = adv_lib.masked_whiten(advantages, mask)
+
+        n_tok = jnp.maximum(mask.sum(), 1)
+        gap = jnp.where(mask, traj.sample_logprobs - old_logp, 0.0)
+        metrics.update({
+            "critic/score/mean": score.mean(), "critic/score/max": score.max(),
+            "critic/score/min": score.min(),
+            "critic/rewards/mean": rewards.sum(axis=1).mean(),
+            "actor/sampler_logprob_gap": gap.sum() / n_tok,
+            "actor/sampler_logprob_abs_gap": jnp.abs(gap).sum() / n_tok,
+            "response_length/mean": mask.sum(axis=1).mean(dtype=jnp.float32),
+        })
+        metrics.update(_masked_stats("critic/advantages", advantages, mask))
+        metrics.update(_masked_stats("critic/returns", returns, mask))
+        if values is not None:
+            metrics.update(_masked_stats("critic/values", values, mask))
+            ret_mean = metrics["critic/returns/mean"]
+            var_ret = jnp.where(mask, (returns - ret_mean) ** 2, 0.0).sum() / n_tok
+            err = jnp.where(mask, returns - values, 0.0)
+            err_mean = err.sum() / n_tok
+            var_err = jnp.where(mask, (err - err_mean) ** 2, 0.0).sum() / n_tok
+            metrics["critic/vf_explained_var"] = 1.0 - var_err / (var_ret + 1e-8)
+        if algo.uses_reference:
+            metrics["actor/ref_kl"] = jnp.where(
+                mask, losses.kl_estimate(old_logp, ref_logp, algo.kl_loss_type), 0.0).sum() / n_tok
+
+        batch = Batch(tokens=traj.tokens, valid=valid, loss_mask=mask, old_logprobs=old_logp,
+                      ref_logprobs=ref_logp, old_values=values, advantages=advantages,
+                      returns=returns)
+        return batch, metrics
+
+    return prepare
+
+
+# ----------------------------------------------------------------------------- gradients
+def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None):
+    """grads(actor_params, critic_params, mb: Batch, train_actor=True) ->
+    (actor_grads | None, critic_grads | None, metrics) for one mini-batch.
+
+    The mini-batch runs in micro-batches of `micro_batch_size` rows whose gradients are summed;
+    loss denominators are counted over the whole mini-batch first, so the sum is exactly the
+    mini-batch gradient. `train_actor` (bool[], traced) skips the actor's forward/backward
+    (critic warm-up); its grads and metrics are then 0.
+    """
+    if algo.uses_critic and critic_cfg is None:
+        raise ValueError(f"adv_estimator={algo.adv_estimator} needs critic_cfg")
+
+    def actor_loss(params, m: Batch, num_tokens, num_seqs):
+        logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
+                                       algo.logit_chunk_size)
+        pg, clipped, lower, log_ratio = losses.policy_loss_terms(
+            logp, m.old_logprobs, m.advantages, algo.clip_ratio_low, algo.clip_ratio_high,
+            algo.clip_ratio_c)
+
+        def agg(x):
+            return losses.aggregate(x, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs)
+
+        def token_mean(x):  # diagnostics are token means over the mini-batch whatever the mode
+            return jnp.where(m.loss_mask, x, 0.0).sum() / num_tokens
+
+        pg_loss, entropy_loss = agg(pg), agg(entropy)
+        loss = pg_loss - algo.entropy_coeff * entropy_loss
+        stats = {"actor/pg_loss": pg_loss, "actor/pg_clipfrac": token_mean(clipped),
+                 "actor/pg_clipfrac_lower": token_mean(lower),
+                 "actor/ppo_kl": token_mean(-log_ratio), "actor/entropy": token_mean(entropy)}
+        if algo.use_kl_loss:
+            kl_loss = agg(losses.kl_estimate(logp, m.ref_logprobs, algo.kl_loss_type))
+            loss = loss + algo.kl_loss_coef * kl_loss
+            stats["actor/kl_loss"] = kl_loss
+        stats["actor/loss"] = loss
+        return loss, stats
+
+    def critic_loss(params, m: Batch, num_tokens, num_seqs):
+        values = token_values(params, critic_cfg, m.tokens, m.valid)
+        vf, clipped = losses.value_loss_terms(values, m.old_values, m.returns,
+                                              algo.cliprange_value)
+        loss = losses.aggregate(vf, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs)
+        clipfrac = jnp.where(m.loss_mask, clipped, 0.0).sum() / num_tokens
+        return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
+
+    actor_vg = jax.value_and_grad(actor_loss, has_aux=True)
+    critic_vg = jax.value_and_grad(critic_loss, has_aux=True)
+
+    def grads(actor_params, critic_params, mb: Batch, train_actor=True):
+        num_tokens, num_seqs = losses.denominators(mb.loss_mask)
+        micro = _micro_size(algo, mb.tokens.shape[0])
+
+        def actor_part(m):
+            (_, stats), g = actor_vg(actor_params, m, num_tokens, num_seqs)
+            return g, stats
+
+        def zeros_like_output(fn, *args):
+            return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                          jax.eval_shape(fn, *args))
+
+        def contribution(m):
+            """What one micro-batch adds to the accumulated grads and (sum-form) metrics."""
+            if algo.uses_critic and algo.critic_warmup > 0:
+                out = {"actor": jax.lax.cond(train_actor, actor_part,
+                                             lambda m: zeros_like_output(actor_part, m), m)}
+            else:
+                out = {"actor": actor_part(m)}
+            if algo.uses_critic:
+                (_, stats), g = critic_vg(critic_params, m, num_tokens, num_seqs)
+                out["critic"] = (g, stats)
+            return out
+
+        micros = _micro_split(mb, micro)
+        first = jax.tree_util.tree_map(lambda x: x[0], micros)
+        total, _ = jax.lax.scan(lambda acc, m: (jax.tree_util.tree_map(jnp.add, acc,
+                                                                       contribution(m)), None),
+                                zeros_like_output(contribution, first), micros)
+        actor_g, metrics = total["actor"]
+        metrics = dict(metrics)
+        critic_g = None
+        if algo.uses_critic:
+            critic_g, critic_stats = total["critic"]
+            metrics.update(critic_stats)
+        return actor_g, critic_g, metrics
+
+    return grads
+
+
+# ----------------------------------------------------------------------------- the update
+def num_updates(algo: AlgoConfig, rows: int) -> tuple[int, int]:
+    """(mini-batch size, k) for `rows` kept rows: k optimizer updates per rollout batch.
+
+    k = online_k when set, else ppo_epochs * (rows // mini-batch size). Mini-batches are drawn
+    from a fresh permutation of the rows each epoch; rows beyond a whole number of mini-batches
+    sit that epoch out.
+    """
+    mini = min(algo.ppo_mini_batch_size, rows)
+    per_epoch = rows // mini
+    return mini, (algo.online_k if algo.online_k > 0 else algo.ppo_epochs * per_epoch)
+
+
+def _apply(tx, params, opt_state, grads, apply):
+    """One optimizer step, applied only where `apply` (bool[]) holds."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(apply, a, b), new, old)
+    return pick(new_params, params), pick(new_opt_state, opt_state)
+
+
+def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None,
+                compiler_options: dict | None = None):
+    """The jitted StarPO update: `update(state, traj, key, ref_params=None) -> (state, metrics)`.
+
+    state: TrainState (donated); traj: Trajectory [B,T] in env_groups x group_size layout;
+    key: PRNG key for the mini-batch order; ref_params: frozen reference policy, needed only for
+    a KL term. Layer rematerialisation follows `actor_cfg.remat` / `critic_cfg.remat`.
+    Metrics (float32 scalars; actor/critic ones are means over the k updates):
+      rollout/in_group_std, rollout/chosen_in_group_std, rollout/kept_groups,
+      actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy,
+      actor/loss, actor/kl_loss (use_kl_loss), actor/ref_kl (with a reference), actor/grad_norm,
+      actor/lr, actor/sampler_logprob_gap, actor/sampler_logprob_abs_gap,
+      actor/online_k (optimizer updates the actor took from this batch: k minus skipped, 0 in
+      critic warm-up), actor/nonfinite_skipped, trainer/updates_per_batch (k),
+      critic/score/{mean,max,min}, critic/rewards/mean, critic/advantages/{mean,max,min},
+      critic/returns/{mean,max,min}, response_length/mean, and with a critic:
+      critic/values/{mean,max,min}, critic/vf_explained_var, critic/vf_loss,
+      critic/vf_clipfrac, critic/grad_norm, critic/lr, critic/nonfinite_skipped.
+    `compiler_options` go to `jax.jit` (tests pass {"xla_backend_optimization_level": 0}: tiny
+    models compile several times faster on CPU).
+    """
+    prepare = make_prepare(algo, actor_cfg, critic_cfg)
+    grads_fn = make_grad_fn(algo, actor_cfg, critic_cfg)
+    actor_tx = make_optimizer(algo.actor_lr, algo)
+    critic_tx = make_optimizer(algo.critic_lr, algo)
+    actor_lr = lr_schedule(algo.actor_lr, algo.warmup_steps)
+    critic_lr = lr_schedule(algo.critic_lr, algo.warmup_steps)
+
+    def update(state: TrainState, traj: Trajectory, key: jax.Array, ref_params=None):
+        batch, metrics = prepare(state, traj, ref_params)
+        N = batch.tokens.shape[0]
+        mini, k = num_updates(algo, N)
+        per_epoch = N // mini
+        epochs = -(-k // per_epoch)
+        perms = jax.vmap(lambda k: jax.random.permutation(k, N))(jax.random.split(key, epochs))
+        order = perms[:, :per_epoch * mini].reshape(epochs * per_epoch, mini)[:k]  # [k, mini]
+        train_actor = state.step >= algo.critic_warmup if algo.uses_critic else jnp.bool_(True)
+
+        def one_update(state: TrainState, rows):
+            mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
+            actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb,
+                                            train_actor)
+            m = dict(m)
+            norm = optax.global_norm(actor_g)
+            ok = jnp.isfinite(norm) & jnp.isfinite(m["actor/loss"])
+            m["actor/grad_norm"] = norm
+            m["actor/lr"] = actor_lr(state.actor_steps)
+            m["actor/nonfinite_skipped"] = (train_actor & ~ok).astype(jnp.float32)
+            m["actor/online_k"] = (train_actor & ok).astype(jnp.float32)
+            apply_actor = train_actor & ok
+            actor_params, actor_opt = _apply(actor_tx, state.actor_params, state.actor_opt_state,
+                                             actor_g, apply_actor)
+            state = state.replace(actor_params=actor_params, actor_opt_state=actor_opt,
+                                  actor_steps=state.actor_steps + apply_actor)
+            if algo.uses_critic:
+                norm = optax.global_norm(critic_g)
+                ok = jnp.isfinite(norm) & jnp.isfinite(m["critic/vf_loss"])
+                m["critic/grad_norm"] = norm
+                m["critic/lr"] = critic_lr(state.critic_steps)
+                m["critic/nonfinite_skipped"] = (~ok).astype(jnp.float32)
+                critic_params, critic_opt = _apply(critic_tx, state.critic_params,
+                                                   state.critic_opt_state, critic_g, ok)
+                state = state.replace(critic_params=critic_params, critic_opt_state=critic_opt,
+                                      critic_steps=state.critic_steps + ok)
+            return state, m
+
+        state, per_update = jax.lax.scan(one_update, state, order)
+        for name, values in per_update.items():
+            summed = name in ("actor/nonfinite_skipped", "actor/online_k",
+                              "critic/nonfinite_skipped")
+            metrics[name] = values.sum() if summed else values.mean()
+        metrics["trainer/updates_per_batch"] = jnp.float32(k)
+        metrics = {name: jnp.asarray(v, jnp.float32) for name, v in metrics.items()}
+        return state.replace(step=state.step + 1), metrics
+
+    return jax.jit(update, donate_argnums=0, compiler_options=compiler_options)

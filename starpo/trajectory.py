@@ -1,0 +1,121 @@
+"""The Trajectory: one row per episode, the contract between the rollout and the update.
+
+A row is the whole multi-turn dialogue of one episode as the sampler saw it, left-aligned in a
+buffer of fixed length T: positions [0, length) are real tokens (system prompt, observations,
+the model's replies), positions [length, T) are padding. The tokens the update trains on are
+exactly the sampled tokens (no re-rendering); `loss_mask` marks them.
+
+Rows are laid out as `env_groups x group_size`: rows g*group_size ... (g+1)*group_size - 1
+share one initial state (same seed) and one `group_id`. The StarPO-S filter relies on that layout
+(it gathers whole groups with static shapes); reward normalisation and GRPO use `group_id`.
+
+Turns: the k-th turn (k = 0 .. max_turn-1) is the observation shown before the k-th reply plus the
+reply. `turn_end[b, k]` is the position of the k-th reply's last model token, or -1 if the episode
+ended before turn k. Turns that happened come first (turn_end >= 0 for k < number of turns).
+Rewards live per turn (`turn_reward`, the sum of the env rewards of that turn's executed actions)
+and per episode (`penalty`, the sum of the per-turn format penalties, <= 0). The trajectory reward
+is `sum(turn_reward) + penalty`; the update places it on the tokens (see `advantages.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class Trajectory:
+    """A batch of B episodes in a context of T tokens with at most M = max_turn turns.
+
+    tokens:          int32[B,T]  token ids; padding after `length` (any id, never attended)
+    loss_mask:       bool[B,T]   True on tokens the model wrote (its replies); False on the
+                                 prompt, observations, reward text and padding
+    turn_index:      int32[B,T]  turn k of each token (observation k and reply k carry k;
+                                 the system prompt/instruction belong to turn 0), -1 on padding
+    sample_logprobs: f32[B,T]    log-prob of tokens[b,t] under the distribution the sampler drew
+                                 it from (tempered), on the token it belongs to; 0 off loss_mask
+    turn_end:        int32[B,M]  position of turn k's last model token, -1 if turn k did not happen
+    turn_reward:     f32[B,M]    env reward of turn k (sum over its executed actions), 0 if absent
+    penalty:         f32[B]      total format penalty of the episode (<= 0)
+    success:         bool[B]     the env reported success
+    num_actions:     int32[B]    valid actions executed in the episode
+    group_id:        int32[B]    rows sharing an initial state share an id (any int32 values)
+    tag:             int32[B]    environment tag id (e.g. Bandit=0, BanditTest=1): the grouping of
+                                 `inductive` reward normalisation
+    length:          int32[B]    number of real tokens; valid = arange(T) < length
+    """
+
+    tokens: jax.Array
+    loss_mask: jax.Array
+    turn_index: jax.Array
+    sample_logprobs: jax.Array
+    turn_end: jax.Array
+    turn_reward: jax.Array
+    penalty: jax.Array
+    success: jax.Array
+    num_actions: jax.Array
+    group_id: jax.Array
+    tag: jax.Array
+    length: jax.Array
+
+    @property
+    def valid(self) -> jax.Array:
+        """bool[B,T]: real (non-padding) tokens."""
+        return jnp.arange(self.tokens.shape[1])[None, :] < self.length[:, None]
+
+    @property
+    def score(self) -> jax.Array:
+        """f32[B]: the trajectory reward, sum of turn rewards plus penalty."""
+        return self.turn_reward.sum(axis=1) + self.penalty
+
+    def take(self, rows: jax.Array) -> "Trajectory":
+        """The rows `rows` (int[N]) of every field, in that order."""
+        return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), self)
+
+
+def check_trajectory(traj: Trajectory, group_size: int) -> None:
+    """Host-side check of the contract (for rollout tests and debugging; not jittable).
+
+    Raises ValueError naming the first violated rule.
+    """
+    t = jax.tree_util.tree_map(np.asarray, traj)
+    B, T = t.tokens.shape
+    M = t.turn_end.shape[1]
+    rows = {"loss_mask": (B, T), "turn_index": (B, T), "sample_logprobs": (B, T),
+            "turn_end": (B, M), "turn_reward": (B, M), "penalty": (B,), "success": (B,),
+            "num_actions": (B,), "group_id": (B,), "tag": (B,), "length": (B,)}
+    for name, shape in rows.items():
+        if getattr(t, name).shape != shape:
+            raise ValueError(f"{name} has shape {getattr(t, name).shape}, expected {shape}")
+    if B % group_size:
+        raise ValueError(f"batch {B} is not a multiple of group_size {group_size}")
+    groups = t.group_id.reshape(B // group_size, group_size)
+    if (groups != groups[:, :1]).any():
+        raise ValueError("rows of one group (env_groups x group_size layout) differ in group_id")
+    if ((t.length < 0) | (t.length > T)).any():
+        raise ValueError("length outside [0, T]")
+    valid = np.arange(T)[None, :] < t.length[:, None]
+    if (t.loss_mask & ~valid).any():
+        raise ValueError("loss_mask set on padding")
+    happened = t.turn_end >= 0
+    if (happened[:, 1:] & ~happened[:, :-1]).any():
+        raise ValueError("turn_end: a turn happened after a missing one")
+    if (t.turn_end >= T).any():
+        raise ValueError("turn_end beyond the context")
+    b, k = np.nonzero(happened)
+    e = t.turn_end[b, k]
+    if not t.loss_mask[b, e].all():
+        raise ValueError("turn_end does not point at a model token")
+    if (t.turn_index[b, e] != k).any():
+        raise ValueError("turn_index at turn_end differs from the turn")
+    if ((e + 1 < T) & t.loss_mask[b, np.minimum(e + 1, T - 1)]
+            & (t.turn_index[b, np.minimum(e + 1, T - 1)] == k)).any():
+        raise ValueError("turn_end is not the last model token of its turn")
+    if (t.turn_reward[~happened] != 0).any():
+        raise ValueError("turn_reward non-zero on a turn that did not happen")
+    last = np.where(happened.any(1), t.turn_end.max(1), -1)
+    after_last = np.arange(T)[None, :] > last[:, None]
+    if (t.loss_mask & after_last).any():
+        raise ValueError("model tokens after the last turn_end")
