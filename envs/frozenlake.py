@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import bitrows, hashrng
+
 # Map cell codes held in the state.
 FROZEN, HOLE, GOAL = 0, 1, 2
 # Render codes are the map code, plus 3 on the player's cell: 3 player on ice, 4 player in a
@@ -53,17 +55,6 @@ def _grow(reach):
     grown = grown | jnp.pad(reach[:, 1:], ((0, 0), (0, 1)))
     grown = grown | jnp.pad(reach[:, :-1], ((0, 0), (1, 0)))
     return grown
-
-
-def _reachable(passable, start, iters):
-    """Cells reachable from `start` through `passable` cells in at most `iters` moves.
-
-    passable: bool[n, n]; start: int32[2]. Returns bool[n, n] (start is always included).
-    A fixed number of dilations keeps it jittable and vmappable (no data-dependent loop).
-    """
-    n = passable.shape[0]
-    reach = jnp.zeros((n, n), bool).at[start[0], start[1]].set(True)
-    return jax.lax.fori_loop(0, iters, lambda _, r: _grow(r) & (passable | r), reach)
 
 
 def shortest_path_length(grid, start, goal):
@@ -122,24 +113,30 @@ class FrozenLake:
     def reset(self, key):
         """Draw a random valid map and put the player on its start cell. -> FrozenLakeState."""
         n, m = self.size, self.num_candidates
-        # One uniform draw for everything (jax.random.randint compiles slowly on CPU).
-        u = jax.random.uniform(key, (m, n * n + 4))
-        frozen = u[:, : n * n].reshape(m, n, n) < self.p  # [m, n, n]
-        cells = jnp.minimum(jnp.floor(u[:, n * n :] * n).astype(jnp.int32), n - 1)
+        # One threefry draw; the rest is a counter hash of it (fast, and quick to compile).
+        stream = hashrng.stream_key(jax.random.bits(key, (), jnp.uint32), 0)
+        words = hashrng.draw(stream, jnp.arange(m * (n * n + 4)).reshape(m, n * n + 4))
+        frozen = hashrng.to_uniform(words[:, : n * n]).reshape(m, n, n) < self.p  # [m, n, n]
+        cells = hashrng.uniform_int(hashrng.to_uniform(words[:, n * n :]), n)  # [m, 4]
         start, goal = cells[:, :2], cells[:, 2:]  # [m, 2] each, uniform over the grid
-        rows = jnp.arange(m)
-        grid = jnp.where(frozen, FROZEN, HOLE).astype(jnp.int8)
         # Start and goal overwrite whatever was drawn under them, as in the reference.
-        grid = grid.at[rows, start[:, 0], start[:, 1]].set(FROZEN)
-        grid = grid.at[rows, goal[:, 0], goal[:, 1]].set(GOAL)
-        reach = jax.vmap(_reachable, in_axes=(0, 0, None))(grid != HOLE, start, n * n - 1)
-        valid = jnp.any(start != goal, axis=1) & reach[rows, goal[:, 0], goal[:, 1]]  # [m]
+        ice = jax.vmap(bitrows.pack_rows)(frozen)  # [m, n] row bitmasks of the ice
+        rows = jnp.arange(n)[None, :]
+        ice = ice | jnp.where(rows == start[:, :1], bitrows.cell_bit(start[:, 1:]), jnp.uint32(0))
+        ice = ice | jnp.where(rows == goal[:, :1], bitrows.cell_bit(goal[:, 1:]), jnp.uint32(0))
+        reach = jax.vmap(bitrows.flood, in_axes=(0, 0, 0, None, None))(
+            ice, start[:, 0], start[:, 1], n * n - 1, n
+        )  # [m, n]
+        goal_row = jnp.take_along_axis(reach, goal[:, :1], axis=1)[:, 0]
+        valid = jnp.any(start != goal, axis=1) & ((goal_row >> goal[:, 1].astype(jnp.uint32)) & 1).astype(bool)
         first = jnp.argmax(valid)
 
+        grid = jnp.where(bitrows.unpack_rows(ice[first], n), FROZEN, HOLE).astype(jnp.int8)
+        grid = grid.at[goal[first, 0], goal[first, 1]].set(GOAL)
         fallback = jnp.full((n, n), FROZEN, jnp.int8).at[n - 1, n - 1].set(GOAL)
         ok = valid[first]
         return FrozenLakeState(
-            grid=jnp.where(ok, grid[first], fallback),
+            grid=jnp.where(ok, grid, fallback),
             pos=jnp.where(ok, start[first], jnp.zeros(2, jnp.int32)).astype(jnp.int32),
         )
 

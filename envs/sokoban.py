@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import bitrows, hashrng
+
 # Cell codes of the fixed layer held in the state (the reference's room_fixed).
 WALL, FLOOR, TARGET = 0, 1, 2
 # Render codes (the reference's room ints, plus its render-only 6): SYMBOLS[code] is the text.
@@ -74,39 +76,6 @@ _ROOMS, _CARVE, _PLACE, _WALKS, _WANDER = 1, 2, 3, 4, 5
 _WANDER_PROB_NEAR, _WANDER_PROB, _WANDER_CONTINUE, _WANDER_STEPS = 0.8, 0.5, 0.5, 3
 
 
-# Generator performance notes. Batching is a vmap outside the env, which puts the batch on the
-# major axis of every array. XLA on CPU is then fast for work on per-env scalars (contiguous
-# [B] vectors) and slow for per-env small vectors indexed or sliced element by element (strided
-# access, and fusions that recompute chains). So the sequential parts (carving walk, reverse
-# play) are scans over per-env scalars, cell masks are bits in uint32 words kept as tuples of
-# scalars, and random numbers come from a counter hash inside the loops (threefry per number
-# would cost more than the generator's real work, and compiles slowly on CPU).
-
-
-def _hash32(x):
-    """A well-mixed uint32 -> uint32 hash (Wellons' lowbias32)."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _stream_key(seed, salt):
-    """uint32 key of the random stream `salt` (a small int) of a generator seed."""
-    return _hash32(seed ^ jnp.uint32((salt * 0x85EBCA6B) & 0xFFFFFFFF))
-
-
-def _draw(stream, counter):
-    """uint32 random word number `counter` (int, any shape) of a stream key."""
-    return _hash32(stream + jnp.asarray(counter).astype(jnp.uint32) * jnp.uint32(0x9E3779B9))
-
-
-def _to_uniform(bits):
-    """float32 in [0, 1) from uint32 random bits (their top 24 bits)."""
-    return (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
-
-
 def _pack(cells):
     """Tuple of uint32 words, bit i of word k = cells[32 k + i]. cells: bool[n]."""
     weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
@@ -124,35 +93,6 @@ def _test_bit(words, index):
         in_word = (index >= 32 * k) & (index < 32 * (k + 1))
         hit = hit | (in_word & ((word >> shift) & 1).astype(bool))
     return hit
-
-
-def _unpack_rows(rows, width):
-    """bool[h * width]: the cells of row bitmasks rows (uint32[h], bit j = column j)."""
-    cols = jnp.arange(width, dtype=jnp.uint32)
-    return ((rows[:, None] >> cols[None, :]) & 1).astype(bool).reshape(-1)
-
-
-def _flood_rows(passable, row, col, rounds):
-    """uint32[h] row bitmasks of the cells reachable from (row, col) in at most `rounds` moves
-    through `passable` cells (uint32[h] row bitmasks; the border must not be passable)."""
-    h = passable.shape[0]
-    pass_ = tuple(passable[k] for k in range(h))
-    start = jnp.left_shift(jnp.uint32(1), col.astype(jnp.uint32))
-    reach = tuple(jnp.where(row == k, start, jnp.uint32(0)) for k in range(h))
-
-    def grow(_, r):
-        zero = jnp.zeros_like(r[0])
-        up = r[1:] + (zero,)
-        down = (zero,) + r[:-1]
-        return tuple(r[k] | ((r[k] << 1) | (r[k] >> 1) | up[k] | down[k]) & pass_[k] for k in range(h))
-
-    return jnp.stack(jax.lax.fori_loop(0, rounds, grow, reach))
-
-
-def _uniform_int(u, n):
-    """int32 uniform on [0, n) from uniforms u in [0, 1) (jax.random.randint is far slower to
-    compile on CPU, and the generator needs many small draws)."""
-    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
 
 
 @struct.dataclass
@@ -330,7 +270,7 @@ class Sokoban:
         """Generate a level from `key` alone (see the module doc). -> SokobanState."""
         h, w, nb = self.dim_x, self.dim_y, self.num_boxes
         seed = jax.random.bits(key, (), jnp.uint32)
-        room_seeds = _draw(_stream_key(seed, _ROOMS), jnp.arange(self.num_rooms))  # [R]
+        room_seeds = hashrng.draw(hashrng.stream_key(seed, _ROOMS), jnp.arange(self.num_rooms))  # [R]
         floor_rows, player0, targets, plausible = jax.vmap(self._room)(room_seeds)
         # Rooms that can possibly work go first (in draw order): reverse play, the expensive
         # part, then rarely runs more than once.
@@ -351,7 +291,7 @@ class Sokoban:
         start = (jnp.zeros((), jnp.int32), (jnp.zeros((), jnp.int32), player0[0], targets[0]))
         i, (score, player, boxes) = jax.lax.while_loop(untried, try_room, start)
         r = order[i - 1]
-        floor, targets = _unpack_rows(floor_rows[r], w), targets[r]
+        floor, targets = bitrows.unpack_rows(floor_rows[r], w).reshape(-1), targets[r]
         player = self._wander(seed, floor, boxes, player, self._displacement(boxes, targets))
 
         room = jnp.where(floor, FLOOR, WALL).astype(jnp.int8).at[targets].set(TARGET)
@@ -374,11 +314,11 @@ class Sokoban:
         boxes a necessary condition).
         """
         h, w, nb = self.dim_x, self.dim_y, self.num_boxes
-        floor_rows = self._carve(_stream_key(seed, _CARVE))
-        floor = _unpack_rows(floor_rows, w)
+        floor_rows = self._carve(hashrng.stream_key(seed, _CARVE))
+        floor = bitrows.unpack_rows(floor_rows, w).reshape(-1)
         # The player and the targets are the floor cells with the nb + 1 smallest random keys:
         # a uniformly random distinct placement, as the reference's sequential draws.
-        priority = jnp.where(floor, _draw(_stream_key(seed, _PLACE), jnp.arange(h * w)), jnp.uint32(0xFFFFFFFF))
+        priority = jnp.where(floor, hashrng.draw(hashrng.stream_key(seed, _PLACE), jnp.arange(h * w)), jnp.uint32(0xFFFFFFFF))
         picks = []
         for _ in range(nb + 1):
             picks.append(jnp.argmin(priority).astype(jnp.int32))
@@ -391,9 +331,9 @@ class Sokoban:
             jnp.left_shift(jnp.uint32(1), (targets % w).astype(jnp.uint32))
         )
         # A shortest path visits each interior cell at most once: that many rounds suffice.
-        reach = _flood_rows(floor_rows & ~box_rows, player // w, player % w, (h - 2) * (w - 2))
-        reach = _unpack_rows(reach, w)
-        walkable = floor & ~_unpack_rows(box_rows, w)
+        reach = bitrows.flood(floor_rows & ~box_rows, player // w, player % w, (h - 2) * (w - 2), w)
+        reach = bitrows.unpack_rows(reach, w).reshape(-1)
+        walkable = floor & ~bitrows.unpack_rows(box_rows, w).reshape(-1)
         offsets = jnp.array([-w, w, -1, 1], jnp.int32)
         one = jnp.clip(targets[:, None] + offsets[None, :], 0, h * w - 1)  # [nb, 4]
         two = jnp.clip(targets[:, None] + 2 * offsets[None, :], 0, h * w - 1)
@@ -412,20 +352,20 @@ class Sokoban:
         interior, and ORs a random 3x3 stamp centred on the position into the rows.
         """
         h, w = self.dim_x, self.dim_y
-        start = _draw(stream, jnp.arange(3))
+        start = hashrng.draw(stream, jnp.arange(3))
         first_dir = (start[0] & 3).astype(jnp.int32)
         # The reference draws the start in [1, h-1] x [1, w-1]; the first step clamps it.
-        row0 = 1 + _uniform_int(_to_uniform(start[1]), h - 1)
-        col0 = 1 + _uniform_int(_to_uniform(start[2]), w - 1)
+        row0 = 1 + hashrng.uniform_int(hashrng.to_uniform(start[1]), h - 1)
+        col0 = 1 + hashrng.uniform_int(hashrng.to_uniform(start[2]), w - 1)
 
         def step(carry, t):
             row, col, direction, rows = carry
-            turn, pick = _draw(stream, 3 + 2 * t), _draw(stream, 4 + 2 * t)
-            direction = jnp.where(_to_uniform(turn) < _CHANGE_DIRECTION_PROB, (turn & 3).astype(jnp.int32), direction)
+            turn, pick = hashrng.draw(stream, 3 + 2 * t), hashrng.draw(stream, 4 + 2 * t)
+            direction = jnp.where(hashrng.to_uniform(turn) < _CHANGE_DIRECTION_PROB, (turn & 3).astype(jnp.int32), direction)
             # Directions in the reference's order: down, right, up, left.
             row = jnp.clip(row + jnp.where(direction == 0, 1, jnp.where(direction == 2, -1, 0)), 1, h - 2)
             col = jnp.clip(col + jnp.where(direction == 1, 1, jnp.where(direction == 3, -1, 0)), 1, w - 2)
-            mask = _uniform_int(_to_uniform(pick), 5)
+            mask = hashrng.uniform_int(hashrng.to_uniform(pick), 5)
             code = jnp.uint32(_MASK_CODES[4])
             for m in range(3, -1, -1):
                 code = jnp.where(mask == m, jnp.uint32(_MASK_CODES[m]), code)
@@ -456,7 +396,7 @@ class Sokoban:
         flat cell indices; score > 0 iff a usable state was found.
         """
         nb, w, cells = self.num_boxes, self.dim_y, self.dim_x * self.dim_y
-        floor_bits = _pack(_unpack_rows(floor_rows, w))
+        floor_bits = _pack(bitrows.unpack_rows(floor_rows, w).reshape(-1))
         target_bits = _pack(jnp.zeros(cells, bool).at[targets].set(True))
         target = tuple(targets[j] for j in range(nb))
         offsets = (-w, w, -1, 1)  # Up, Down, Left, Right on flat indices
@@ -483,7 +423,7 @@ class Sokoban:
             end1 = end0 + choice[1]
             end2 = end1 + choice[2]
             end3 = end2 + choice[3]
-            rank = jnp.floor(_to_uniform(_draw(stream, t)) * end3).astype(jnp.int32)
+            rank = jnp.floor(hashrng.to_uniform(hashrng.draw(stream, t)) * end3).astype(jnp.int32)
             direction = (rank >= end0).astype(jnp.int32) + (rank >= end1) + (rank >= end2)
             can_move = end3 > 0
             off = jnp.where(direction == 0, offsets[0], jnp.where(direction == 1, offsets[1], jnp.where(direction == 2, offsets[2], offsets[3])))
@@ -513,7 +453,7 @@ class Sokoban:
             (*_, best, _), _ = jax.lax.scan(pull_step, carry, jnp.arange(self.walk_length))
             return best
 
-        walk_streams = _draw(_stream_key(seed, _WALKS), jnp.arange(self.num_walks))
+        walk_streams = hashrng.draw(hashrng.stream_key(seed, _WALKS), jnp.arange(self.num_walks))
         scores, players, boxes = jax.vmap(reverse_walk)(walk_streams)
         top = jnp.argmax(scores)
         return scores[top], players[top], jnp.stack([b[top] for b in boxes])
@@ -526,7 +466,7 @@ class Sokoban:
         """
         w = self.dim_y
         offsets = jnp.array([-w, w, -1, 1], jnp.int32)
-        u = _to_uniform(_draw(_stream_key(seed, _WANDER), jnp.arange(1 + 5 * _WANDER_STEPS)))
+        u = hashrng.to_uniform(hashrng.draw(hashrng.stream_key(seed, _WANDER), jnp.arange(1 + 5 * _WANDER_STEPS)))
         p_go = jnp.where(displacement == 1, _WANDER_PROB_NEAR, _WANDER_PROB)
         active = u[0] < p_go
         visited = jnp.full((_WANDER_STEPS + 1,), -1, jnp.int32).at[0].set(player)

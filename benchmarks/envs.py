@@ -1,0 +1,279 @@
+"""Env throughput: jitted, vmapped resets and steps per second, beside the Python reference.
+
+    python benchmarks/envs.py              # batch 1, 64 and 4096 for every variant, plus the
+                                           # Python reference envs (gymnasium, gym_sokoban)
+    python benchmarks/envs.py --batch=4096 # one batch size, JAX envs only
+
+The last line printed is one JSON object. With --batch it is keyed by env name with
+`steps_per_s` and `resets_per_s`; otherwise it holds every batch size, the Python reference
+figures and the speed-ups at the largest batch.
+
+What is timed. Resets: one jitted vmapped `reset` per call (level generation included), the
+next call's keys already on device. Steps: a jitted `lax.scan` of `--scan` vmapped steps per
+call, random valid actions, the way an on-device rollout runs them (`steps_per_s_per_call`
+is the same with one jitted call per step, i.e. with Python dispatch in the loop). Each figure
+is env transitions (or new levels) per second over all envs of the batch, compile and warm-up
+excluded, `block_until_ready` before the clock stops.
+
+The Python reference does the same work one env at a time: gymnasium's FrozenLakeEnv built
+on a fresh `generate_random_map` per reset (as RAGEN's FrozenLake does; gymnasium's generator
+fixes start and goal in the corners, RAGEN's draws them) and `step` per action; gym_sokoban's
+room generator per reset (it searches to depth 300; RAGEN's LargerSokoban passes 10) and
+`SokobanEnv.step` with the text render RAGEN uses. Both are optional: a missing package is
+reported and skipped.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import envs  # noqa: E402  (the repo root must be on the path first)
+
+ALL_BATCHES = (1, 64, 4096)
+
+
+def _timed(fn, min_seconds, min_calls=3):
+    """Seconds per call of fn() (which blocks), after one untimed warm-up call."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < min_calls or time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def bench_jax(name, batch, scan, min_seconds):
+    """{"resets_per_s", "steps_per_s", "steps_per_s_per_call"} of env `name` at `batch`."""
+    env = envs.make(name)
+    reset = jax.jit(jax.vmap(env.reset))
+    step = jax.jit(jax.vmap(env.step))
+
+    def rollout(keys, state, actions):  # actions: int32[scan, batch]
+        def one(state, xs):
+            step_keys, action = xs
+            state, reward, done, _ = jax.vmap(env.step)(step_keys, state, action)
+            return state, reward
+
+        step_keys = jax.vmap(lambda k: jax.random.split(k, batch))(jax.random.split(keys, scan))
+        return jax.lax.scan(one, state, (step_keys, actions))
+
+    rollout = jax.jit(rollout)
+    key_sets = [jax.random.split(jax.random.key(i), batch) for i in range(4)]
+    rng = np.random.default_rng(0)
+    action_sets = [jnp.asarray(rng.integers(1, env.num_actions + 1, (scan, batch)), jnp.int32) for _ in range(4)]
+    state = reset(key_sets[0])
+    counter = [0]
+
+    def do_reset():
+        counter[0] += 1
+        jax.block_until_ready(reset(key_sets[counter[0] % 4]))
+
+    def do_rollout():
+        counter[0] += 1
+        i = counter[0] % 4
+        jax.block_until_ready(rollout(jax.random.key(i), state, action_sets[i]))
+
+    def do_step():
+        counter[0] += 1
+        i = counter[0] % 4
+        jax.block_until_ready(step(key_sets[i], state, action_sets[i][0]))
+
+    return {
+        "resets_per_s": batch / _timed(do_reset, min_seconds),
+        "steps_per_s": batch * scan / _timed(do_rollout, min_seconds),
+        "steps_per_s_per_call": batch / _timed(do_step, min_seconds),
+    }
+
+
+# ------------------------------------------------------------------ Python references
+
+
+def bench_gymnasium_frozen_lake(min_seconds):
+    try:
+        from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv, generate_random_map
+    except ImportError:
+        return None
+    seed = [0]
+
+    def fresh_env():
+        seed[0] += 1
+        env = FrozenLakeEnv(desc=generate_random_map(size=4, p=0.8, seed=seed[0]), is_slippery=True)
+        env.reset(seed=seed[0])
+        return env
+
+    env = fresh_env()
+    rng = np.random.default_rng(0)
+    actions = rng.integers(0, 4, 10000).tolist()
+    i = [0]
+
+    def one_step():
+        i[0] += 1
+        env.step(actions[i[0] % 10000])
+
+    return {
+        "impl": "gymnasium FrozenLakeEnv (4x4, slippery); reset = generate_random_map + new env + reset",
+        "resets_per_s": 1 / _timed_loop(fresh_env, min_seconds),
+        "steps_per_s": 1 / _timed_loop(one_step, min_seconds),
+    }
+
+
+def _timed_loop(fn, min_seconds):
+    """Seconds per call of a Python callable, in a tight loop."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < 10 or time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def _import_gym_sokoban():
+    """gym_sokoban's env and generator, or None. gym_sokoban 0.0.6 imports pkg_resources,
+    which new setuptools no longer ship: give it a minimal stand-in (file lookup only)."""
+    if importlib.util.find_spec("gym_sokoban") is None:
+        return None
+    if importlib.util.find_spec("pkg_resources") is None:
+        shim = types.ModuleType("pkg_resources")
+
+        def resource_filename(package, path):
+            spec = importlib.util.find_spec(package)
+            base = spec.submodule_search_locations[0] if spec.submodule_search_locations else os.path.dirname(spec.origin)
+            return os.path.join(base, path)
+
+        shim.resource_filename = resource_filename
+        sys.modules["pkg_resources"] = shim
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from gym_sokoban.envs.room_utils import generate_room
+            from gym_sokoban.envs.sokoban_env import SokobanEnv
+        except Exception as err:  # an optional comparison: report why it is skipped
+            print(f"gym_sokoban unusable: {err!r}", file=sys.stderr)
+            return None
+    return SokobanEnv, generate_room
+
+
+def bench_gym_sokoban(dim, num_boxes, min_seconds):
+    imported = _import_gym_sokoban()
+    if imported is None:
+        return None
+    SokobanEnv, generate_room = imported
+    symbols = "#_O√XPS"
+
+    class TextSokoban(SokobanEnv):
+        """gym_sokoban with RAGEN's text observation instead of an RGB image."""
+
+        def render(self, mode=None, close=None, scale=1):
+            room = np.where((self.room_state == 5) & (self.room_fixed == 2), 6, self.room_state)
+            return "\n".join("".join(symbols[c] for c in row) for row in room.tolist())
+
+    def new_level():
+        # Like RAGEN: a failed generation is retried with another seed.
+        while True:
+            try:
+                return generate_room(dim=dim, num_steps=int(1.7 * sum(dim)), num_boxes=num_boxes)
+            except (RuntimeError, RuntimeWarning):
+                continue
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        while True:  # the constructor generates a level too, and may fail the same way
+            try:
+                env = TextSokoban(dim_room=dim, num_boxes=num_boxes, max_steps=10**9)
+                break
+            except (RuntimeError, RuntimeWarning):
+                continue
+        rng = np.random.default_rng(0)
+        actions = rng.integers(1, 5, 10000).tolist()
+        i = [0]
+
+        def one_step():  # SokobanEnv.step renders through self.render: the text above
+            i[0] += 1
+            env.step(actions[i[0] % 10000])
+
+        return {
+            "impl": f"gym_sokoban {dim[0]}x{dim[1]}, {num_boxes} box(es); reset = generate_room "
+            "(DFS depth 300); step = SokobanEnv.step + text render",
+            "resets_per_s": 1 / _timed_loop(new_level, min_seconds),
+            "steps_per_s": 1 / _timed_loop(one_step, min_seconds),
+        }
+
+
+# ------------------------------------------------------------------ main
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, help="one batch size, JAX envs only")
+    parser.add_argument("--all", action="store_true", help="batch 1, 64, 4096 and the Python references (default)")
+    parser.add_argument("--envs", default=",".join(envs.NAMES), help="comma-separated env names")
+    parser.add_argument("--scan", type=int, default=16, help="steps per jitted call in the step timing")
+    parser.add_argument("--seconds", type=float, default=1.0, help="minimum timed seconds per figure")
+    args = parser.parse_args()
+    names = [n for n in args.envs.split(",") if n]
+    device = f"{jax.devices()[0].platform} ({jax.device_count()} device, {os.cpu_count()} cpu cores, {platform.processor() or platform.machine()})"
+    print(f"device: {device}", file=sys.stderr)
+
+    if args.batch is not None and not args.all:
+        result = {}
+        for name in names:
+            r = bench_jax(name, args.batch, args.scan, args.seconds)
+            print(f"{name:28s} batch {args.batch:5d}: {r['steps_per_s']:14,.0f} steps/s  {r['resets_per_s']:12,.0f} resets/s", file=sys.stderr)
+            result[name] = {"steps_per_s": r["steps_per_s"], "resets_per_s": r["resets_per_s"]}
+        print(json.dumps(result))
+        return
+
+    jax_results = {}
+    for name in names:
+        jax_results[name] = {}
+        for batch in ALL_BATCHES:
+            r = bench_jax(name, batch, args.scan, args.seconds)
+            jax_results[name][str(batch)] = r
+            print(
+                f"{name:28s} batch {batch:5d}: {r['steps_per_s']:14,.0f} steps/s "
+                f"({r['steps_per_s_per_call']:12,.0f} one call per step)  {r['resets_per_s']:12,.0f} resets/s",
+                file=sys.stderr,
+            )
+
+    python = {}
+    references = {
+        "FrozenLake": lambda: bench_gymnasium_frozen_lake(args.seconds * 2),
+        "SimpleSokoban": lambda: bench_gym_sokoban((6, 6), 1, args.seconds * 2),
+        "LargerSokoban": lambda: bench_gym_sokoban((8, 8), 2, args.seconds * 4),
+    }
+    for name, run in references.items():
+        if name not in names:
+            continue
+        r = run()
+        if r is None:
+            print(f"{name}: Python reference not installed, skipped", file=sys.stderr)
+            continue
+        python[name] = r
+        print(f"{name:28s} Python     : {r['steps_per_s']:14,.0f} steps/s  {r['resets_per_s']:12,.0f} resets/s  [{r['impl']}]", file=sys.stderr)
+
+    largest = str(ALL_BATCHES[-1])
+    speedup = {
+        name: {
+            "steps": jax_results[name][largest]["steps_per_s"] / ref["steps_per_s"],
+            "resets": jax_results[name][largest]["resets_per_s"] / ref["resets_per_s"],
+        }
+        for name, ref in python.items()
+    }
+    for name, s in speedup.items():
+        print(f"{name:28s} speed-up at batch {largest}: steps x{s['steps']:,.0f}, resets x{s['resets']:,.0f}", file=sys.stderr)
+    print(json.dumps({"device": device, "jax": jax_results, "python_reference": python, f"speedup_at_batch_{largest}": speedup}))
+
+
+if __name__ == "__main__":
+    main()
