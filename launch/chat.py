@@ -35,14 +35,14 @@ def main(_):
         {"role": "user", "content": FLAGS.prompt}]
     ids = m.tokenizer.encode(m.tokenizer.apply_chat_template(messages))
     prompt = jnp.asarray([ids], jnp.int32)
-    args = (m.params, prompt, prompt >= 0, jax.random.key(FLAGS.seed), FLAGS.temperature)
+    s = sampler.make_sampler(m.cfg, m.tokenizer, FLAGS.max_new_tokens)
+    state = sampler.init_state(m.cfg, 1, len(ids) + FLAGS.max_new_tokens)
+    args = (m.params, state, prompt, prompt >= 0, jax.random.key(FLAGS.seed),
+            jnp.float32(FLAGS.temperature), jnp.ones((1,), bool), None)
     t1 = time.perf_counter()
-    generate = sampler.generate.lower(
-        *args, cfg=m.cfg, max_new_tokens=FLAGS.max_new_tokens,
-        cache_len=len(ids) + FLAGS.max_new_tokens, eos_ids=m.tokenizer.eos_ids,
-        pad_id=m.tokenizer.pad_id).compile()
+    turn = sampler.run_turn.lower(s, *args).compile()
     t2 = time.perf_counter()
-    out = generate(*args)
+    _, out = turn(*args)
     n = int(out.length[0])
     t3 = time.perf_counter()
     print(m.tokenizer.decode(out.tokens[0, :n].tolist(), skip_special_tokens=True).strip())

@@ -141,19 +141,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def _write_rows(buf, update, start, keep):
-    """Per row b, write update[b] ([T,...]) into buf[b] ([S,...]) at slot start[b], only where
-    keep[b] ([T] bool) is set; elsewhere the buffer keeps its contents, so padding and finished
-    rows never disturb the cache (even when their offset would run past its end)."""
-
-    def one(buf, update, start, keep):
-        old = jax.lax.dynamic_slice_in_dim(buf, start, update.shape[0], 0)
-        keep = keep.reshape(keep.shape + (1,) * (update.ndim - 1))
-        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, update, old), start, 0)
-
-    return jax.vmap(one)(buf, update, start, keep)
-
-
 # ----------------------------------------------------------------------------- layers
 def _partitioned(init, axes):
     return nn.with_logical_partitioning(init, axes)
@@ -172,10 +159,17 @@ class RMSNorm(nn.Module):
         return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+def _dot_f32(*args, **kwargs):
+    """Matmuls take `cfg.dtype` inputs but always accumulate and return float32: on CPUs and
+    accelerators bfloat16 inputs with float32 accumulation are the fast path, while pure
+    bfloat16 arithmetic is both slower on CPU and less exact."""
+    return jax.lax.dot_general(*args, **kwargs, preferred_element_type=jnp.float32)
+
+
 def _dense(features, axes, name, cfg, use_bias=False, in_axes=-1, init_scale=1.0):
     init = nn.initializers.variance_scaling(init_scale, "fan_in", "truncated_normal")
     return nn.DenseGeneral(
-        features, axis=in_axes, use_bias=use_bias, name=name,
+        features, axis=in_axes, use_bias=use_bias, name=name, dot_general=_dot_f32,
         dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
         kernel_init=_partitioned(init, axes),
         bias_init=_partitioned(nn.initializers.zeros, axes[-len(np.atleast_1d(features)):]),
@@ -186,32 +180,42 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, write_at, valid, kv):
-        """x [B,T,D]; positions, valid [B,T]; mask [B,T,S]; write_at [B] or None; kv or None."""
+    def __call__(self, x, positions, chunk_mask, cache_valid, kv):
+        """Attention of a chunk over the cache (read only) and over itself.
+
+        x [B,T,D]; positions [B,T]; chunk_mask [B,T,T] (causal, valid keys); cache_valid [B,S]
+        and kv = (k, v) [B,S,K,E] of the cache, or None. Returns (out [B,T,D], (k, v) of the
+        chunk [B,T,K,E]) -- the caller writes those into the cache in one scatter, so the
+        cache is never copied layer by layer.
+        """
         cfg = self.cfg
         H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = _dense((H, E), ("embed", "heads", "head_dim"), "q", cfg, cfg.qkv_bias)(x)
         k = _dense((K, E), ("embed", "kv_heads", "head_dim"), "k", cfg, cfg.qkv_bias)(x)
         v = _dense((K, E), ("embed", "kv_heads", "head_dim"), "v", cfg, cfg.qkv_bias)(x)
         inv_freq = rope_inv_freq(cfg)
-        q = apply_rope(q, positions, inv_freq)
+        B, T = x.shape[:2]
+        q = apply_rope(q, positions, inv_freq).reshape(B, T, K, H // K, E) / math.sqrt(E)
         k = apply_rope(k, positions, inv_freq)
+        if kv is not None:  # what the cache will hold (e.g. bfloat16)
+            k, v = k.astype(kv[0].dtype), v.astype(kv[1].dtype)
 
-        if kv is not None:  # write this chunk at each row's own offset, attend over the cache
-            k = _write_rows(kv[0], k.astype(kv[0].dtype), write_at, valid)
-            v = _write_rows(kv[1], v.astype(kv[1].dtype), write_at, valid)
-            kv = (k, v)
+        def scores(keys):
+            s = jnp.einsum("btkge,bske->bkgts", q.astype(keys.dtype), keys,
+                           preferred_element_type=jnp.float32)
+            return s
 
-        B, T = q.shape[:2]
-        q = q.reshape(B, T, K, H // K, E)
-        scores = jnp.einsum("btkge,bske->bkgts", q, k.astype(q.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(E)
-        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H, E)
+        s = jnp.where(chunk_mask[:, None, None], scores(k), _MASK_VALUE)  # [B,K,G,T,T]
+        if kv is not None:
+            s_cache = jnp.where(cache_valid[:, None, None, None, :], scores(kv[0]), _MASK_VALUE)
+            s = jnp.concatenate([s_cache, s], axis=-1)  # [B,K,G,T,S+T]
+        probs = jax.nn.softmax(s, axis=-1)
+        values = v if kv is None else jnp.concatenate([kv[1], v], axis=1)  # [B,S+T,K,E]
+        out = jnp.einsum("bkgts,bske->btkge", probs.astype(values.dtype), values,
+                         preferred_element_type=jnp.float32).reshape(B, T, H, E)
         out = _dense(cfg.hidden_size, ("heads", "head_dim", "embed"), "o", cfg,
-                     in_axes=(-2, -1))(out.astype(jnp.dtype(cfg.dtype)))
-        return out, kv
+                     in_axes=(-2, -1))(out)
+        return out, (k, v)
 
 
 class MLP(nn.Module):
@@ -230,10 +234,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv, shared):
-        positions, mask, write_at, valid = shared
+        positions, chunk_mask, cache_valid = shared
         h, kv = Attention(self.cfg, name="attn")(
-            RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, mask, write_at, valid,
-            kv)
+            RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, chunk_mask,
+            cache_valid, kv)
         x = x + h
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_norm_eps, name="mlp_norm")(x))
         return x, kv
@@ -246,8 +250,9 @@ class Transformer(nn.Module):
 
     def setup(self):
         cfg = self.cfg
+        # the residual stream stays float32 whatever the matmul dtype
         self.embed = nn.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
+            cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
             param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=_partitioned(nn.initializers.normal(0.02), ("vocab", "embed")))
         block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
@@ -269,46 +274,49 @@ class Transformer(nn.Module):
         """tokens [B,T] int, valid [B,T] bool -> (hidden [B,T,D], new cache or None).
 
         Without a cache the chunk attends causally to its own valid tokens (training forward).
-        With a cache the chunk is written at slots `cache.end[b]...` and attends to everything
-        valid up to its own slot; the returned cache has `end` just past the row's last valid
-        token (so right padding is overwritten by the next call) and `pos` advanced by the
-        number of valid tokens.
+        With a cache the chunk also attends to every valid cache slot, and its valid tokens are
+        written at slots `cache.end[b] + t`; the returned cache has `end` just past the row's
+        last valid token (so right padding is overwritten by the next call) and `pos` advanced
+        by the number of valid tokens. Rows with no valid token are left bit for bit as they
+        were; valid tokens that would land past the cache's end are dropped (callers check
+        room first, see `sampler`).
         """
         valid = valid.astype(bool)
         B, T = tokens.shape
         offsets = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1  # [B,T] real tokens before
         t = jnp.arange(T, dtype=jnp.int32)
-        if cache is None:
-            positions = jnp.maximum(offsets, 0)
-            mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
-            write_at, kv = None, None
-        else:
-            positions = cache.pos[:, None] + jnp.maximum(offsets, 0)
-            write_at = cache.end
-            slot_valid = _write_rows(cache.valid, valid, write_at, valid)  # [B,S]
-            q_slot = write_at[:, None] + t[None, :]  # [B,T]
-            s = jnp.arange(cache.max_len, dtype=jnp.int32)
-            mask = slot_valid[:, None, :] & (s[None, None, :] <= q_slot[:, :, None])  # [B,T,S]
-            kv = (cache.k, cache.v)
+        chunk_mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
+        positions = jnp.maximum(offsets, 0)
+        kv, cache_valid = None, None
+        if cache is not None:
+            positions = positions + cache.pos[:, None]
+            kv, cache_valid = (cache.k, cache.v), cache.valid
 
         x = self.embed(tokens)
-        x, kv = self.layers(x, kv, (positions, mask, write_at, valid))
+        x, (k, v) = self.layers(x, kv, (positions, chunk_mask, cache_valid))  # k, v [L,B,T,K,E]
         hidden = self.final_norm(x)
+        if cache is None:
+            return hidden, None
 
-        new_cache = None
-        if cache is not None:
-            any_valid = valid.any(axis=1)
-            last = jnp.max(jnp.where(valid, t[None, :], -1), axis=1)
-            new_cache = KVCache(
-                k=kv[0], v=kv[1], valid=slot_valid,
-                end=jnp.where(any_valid, write_at + last + 1, cache.end).astype(jnp.int32),
-                pos=cache.pos + valid.sum(axis=1, dtype=jnp.int32))
+        # One scatter per buffer writes every layer's new keys/values in place (the cache is
+        # donated by the sampler); padding goes to an out-of-range slot and is dropped.
+        slots = jnp.where(valid, cache.end[:, None] + t[None, :], cache.max_len)  # [B,T]
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        last = jnp.max(jnp.where(valid, t[None, :], -1), axis=1)
+        new_cache = KVCache(
+            k=cache.k.at[:, rows, slots].set(k, mode="drop"),
+            v=cache.v.at[:, rows, slots].set(v, mode="drop"),
+            valid=cache.valid.at[rows, slots].set(True, mode="drop"),
+            end=jnp.where(last >= 0, cache.end + last + 1, cache.end).astype(jnp.int32),
+            pos=cache.pos + valid.sum(axis=1, dtype=jnp.int32))
         return hidden, new_cache
 
     def logits(self, hidden):
         """hidden [...,D] -> float32 logits [...,V]."""
         if self.cfg.tie_embeddings:
-            out = self.embed.attend(hidden.astype(jnp.dtype(self.cfg.dtype)))
+            dt = jnp.dtype(self.cfg.dtype)
+            out = jnp.einsum("...d,vd->...v", hidden.astype(dt), self.embed.embedding.astype(dt),
+                             preferred_element_type=jnp.float32)
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)

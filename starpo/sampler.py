@@ -1,17 +1,28 @@
-"""Jitted batched generation: prefill a batch of prompts, then decode in a `lax.while_loop`.
+"""Jitted batched sampling with a KV cache that persists across turns.
 
-One compiled program per (batch, prompt length, cache length, new-token budget): the loop runs on
-device until every row has written an end-of-sequence token or its budget, so no Python runs
-per token. Sampling uses a temperature (0 = greedy); the log-prob of every sampled token under the
-distribution actually sampled from is returned with it.
+`make_sampler(cfg, ...)` returns a `Sampler` whose `turn` is one compiled program per shape:
+append a chunk of new tokens at each row's own offset (the prompt on the first call, the
+environment's reply on later ones), then decode in a `lax.while_loop` until every row has
+stopped -- on an end-of-sequence token, on a stop string such as `</answer>` (matched on device
+over the bytes of the tokens written this turn), on its token budget, or when its context is
+full. No Python runs per token and the history is never prefilled twice.
+
+The state (`SamplerState`) carries the cache and a slot-aligned copy of every token with the
+log-prob the sampler drew it with, so a finished episode is exactly the sampled tokens.
+Temperature is a traced argument (training and validation temperatures share one compile);
+top-k and top-p are static. The returned log-prob of a token is under the distribution actually
+sampled from (temperature, top-k, top-p applied and renormalised); with temperature 0 (greedy)
+it is the log-prob under the untempered, unfiltered distribution.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from starpo import model as model_lib
@@ -19,68 +30,226 @@ from starpo.model import KVCache, ModelConfig
 
 
 @struct.dataclass
-class Generation:
-    """tokens [B,N] int32 (pad after the end), logprobs [B,N] f32, length [B] int32, cache."""
+class SamplerState:
+    """Everything that persists between turns of a batch of dialogues.
+
+    cache:     the model's KV cache (slots [B,S])
+    tokens:    [B,S] int32 token in each cache slot (padding where `cache.valid` is False)
+    logprobs:  [B,S] f32 sampling log-prob of tokens the model wrote, 0 elsewhere
+    generated: [B,S] bool the model wrote this token (the loss mask)
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    logprobs: jax.Array
+    generated: jax.Array
+
+    @property
+    def valid(self):
+        return self.cache.valid
+
+
+@struct.dataclass
+class Turn:
+    """What one call wrote, per row.
+
+    tokens [B,N] int32 (pad after `length`), logprobs [B,N], length [B] int32,
+    stop_reason [B] int32: 0 not run (inactive row), 1 end-of-sequence token, 2 stop string,
+    3 token budget, 4 context full (the chunk or the reply did not fit).
+    """
 
     tokens: jax.Array
     logprobs: jax.Array
     length: jax.Array
-    cache: KVCache
+    stop_reason: jax.Array
 
 
-def sample_next(logits, key, temperature):
-    """Draw one token per row from logits [B,V]; returns (token [B], its log-prob [B]).
+NOT_RUN, EOS, STOP_STRING, BUDGET, CONTEXT_FULL = 0, 1, 2, 3, 4
 
-    temperature == 0 is greedy (log-prob under the untempered distribution).
+
+def init_state(cfg: ModelConfig, batch: int, max_len: int, cache_dtype=None) -> SamplerState:
+    return SamplerState(
+        cache=model_lib.init_cache(cfg, batch, max_len, cache_dtype),
+        tokens=jnp.zeros((batch, max_len), jnp.int32),
+        logprobs=jnp.zeros((batch, max_len), jnp.float32),
+        generated=jnp.zeros((batch, max_len), bool))
+
+
+def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. logits [B,V] f32.
+
+    top-p keeps the smallest set of most likely tokens whose probability reaches `top_p`
+    (the most likely token always stays); tokens tied with the last kept logit stay too.
     """
+    if top_k and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        keep = before < top_p
+        cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return logits
+
+
+def sample_next(logits, key, temperature, top_k: int = 0, top_p: float = 1.0):
+    """One token per row from logits [B,V] f32 -> (token [B] int32, log-prob [B] f32)."""
     greedy = temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    token = jnp.where(greedy, jnp.argmax(logits, axis=-1), jax.random.categorical(key, scaled))
-    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    filtered = filter_logits(logits / jnp.where(greedy, 1.0, temperature), top_k, top_p)
+    sampled = jax.random.categorical(key, filtered)
+    token = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    logp = jax.nn.log_softmax(jnp.where(greedy, logits, filtered), axis=-1)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_len", "eos_ids",
-                                             "pad_id"))
-def generate(params, prompt, prompt_valid, key, temperature, *, cfg: ModelConfig,
-             max_new_tokens: int, cache_len: int, eos_ids: tuple[int, ...], pad_id: int):
-    """Continue each prompt row; prompt [B,P] int32, prompt_valid [B,P] bool (left or right pad).
+def byte_table(token_bytes: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes [V,W] uint8 right-aligned, lengths [V] int32) from `Tokenizer.token_bytes()`."""
+    width = max(1, max(len(b) for b in token_bytes))
+    table = np.zeros((len(token_bytes), width), np.uint8)
+    for i, b in enumerate(token_bytes):
+        if b:
+            table[i, width - len(b):] = np.frombuffer(b, np.uint8)
+    return table, np.array([len(b) for b in token_bytes], np.int32)
 
-    Rows stop after writing a token in `eos_ids` (kept in the output and counted in `length`)
-    or after `max_new_tokens` tokens.
-    """
-    B, P = prompt.shape
-    if P + max_new_tokens > cache_len:
-        raise ValueError(f"prompt length {P} + {max_new_tokens} new tokens exceed cache {cache_len}")
-    cache = model_lib.init_cache(cfg, B, cache_len)
-    hidden, cache = model_lib.hidden_states(params, cfg, prompt, prompt_valid, cache)
-    last = jnp.max(jnp.where(prompt_valid, jnp.arange(P)[None, :], 0), axis=1)
-    logits = model_lib.head_logits(params, cfg, hidden[jnp.arange(B), last])  # [B,V]
-    eos = jnp.asarray(eos_ids, jnp.int32)
 
-    def cond(carry):
-        step, done = carry[0], carry[4]
-        return (step < max_new_tokens) & ~jnp.all(done)
+def _push_bytes(tail, new, n):
+    """Append the last n[b] bytes of new[b] ([B,W2], right-aligned) to tail ([B,W]), keeping
+    the most recent W bytes right-aligned."""
+    W, W2 = tail.shape[1], new.shape[1]
+    i = jnp.arange(W)[None, :] + n[:, None]  # index into the virtual tail ++ new[-n:]
+    from_new = jnp.take_along_axis(new, jnp.clip(W2 - n[:, None] + i - W, 0, W2 - 1), axis=1)
+    from_tail = jnp.take_along_axis(tail, jnp.clip(i, 0, W - 1), axis=1)
+    return jnp.where(i >= W, from_new, from_tail)
 
-    def body(carry):
-        step, key, logits, cache, done, tokens, logprobs = carry
-        key, sub = jax.random.split(key)
-        token, logp = sample_next(logits, sub, temperature)
-        token = jnp.where(done, pad_id, token)
-        tokens = tokens.at[:, step].set(token)
-        logprobs = logprobs.at[:, step].set(jnp.where(done, 0.0, logp))
-        live = ~done
-        done = done | jnp.isin(token, eos)
-        hidden, cache = model_lib.hidden_states(params, cfg, token[:, None], live[:, None], cache)
+
+def _ends_with_stop(tail, n_new, stops: tuple[bytes, ...]):
+    """Whether any stop string ends inside the last n_new[b] bytes of tail [B,W]."""
+    W = tail.shape[1]
+    hit = jnp.zeros(tail.shape[0], bool)
+    for s in stops:
+        m = len(s)
+        pattern = jnp.asarray(np.frombuffer(s, np.uint8))
+        windows = jnp.stack([tail[:, e - m + 1:e + 1] for e in range(m - 1, W)], axis=1)
+        match = jnp.all(windows == pattern, axis=-1)  # [B, W-m+1], end at e = m-1+j
+        ends = jnp.arange(m - 1, W)[None, :]
+        hit |= jnp.any(match & (ends >= W - n_new[:, None]), axis=1)
+    return hit
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Static sampling settings; `turn` and `generate` are jitted on them."""
+
+    cfg: ModelConfig
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    stop: tuple[bytes, ...] = ()
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def turn(self, params, state: SamplerState, chunk, chunk_valid, key, temperature, active,
+             token_bytes=None):
+        """Append chunk [B,C] (valid [B,C]) per row, then decode this turn.
+
+        active [B] bool: inactive rows are left untouched. Active rows need at least one valid
+        chunk token (the reply continues from it). A row whose chunk (up to its last valid
+        token) plus one reply token does not fit in the remaining context does not decode and
+        reports CONTEXT_FULL (its chunk is appended if the chunk itself fits). token_bytes = `byte_table(...)` arrays, needed when `stop` is set.
+        Returns (state, Turn). The state argument is donated.
+        """
+        return run_turn(self, params, state, chunk, chunk_valid, key, jnp.float32(temperature),
+                     active, token_bytes)
+
+    def generate(self, params, prompt, prompt_valid, key, temperature, cache_len: int,
+                 token_bytes=None, cache_dtype=None):
+        """One turn from an empty state: prompt [B,P] -> (state, Turn)."""
+        B = prompt.shape[0]
+        state = init_state(self.cfg, B, cache_len, cache_dtype)
+        return self.turn(params, state, prompt, prompt_valid, key, temperature,
+                         jnp.ones((B,), bool), token_bytes)
+
+
+def make_sampler(cfg: ModelConfig, tokenizer, max_new_tokens: int, stop=(), top_k: int = 0,
+                 top_p: float = 1.0) -> Sampler:
+    """A Sampler for a model and its tokenizer; `stop` strings are matched on decoded bytes."""
+    return Sampler(cfg, max_new_tokens, tuple(tokenizer.eos_ids), tokenizer.pad_id,
+                   tuple(s.encode("utf-8") for s in stop), int(top_k), float(top_p))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, temperature,
+             active, token_bytes):
+    """The jitted program behind `Sampler.turn` (exposed for ahead-of-time `.lower()`)."""
+    cfg, N = s.cfg, s.max_new_tokens
+    B, C = chunk.shape
+    S = state.cache.max_len
+    # Compute in cfg.dtype: cast the weights once here rather than on every decode step.
+    params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(cfg.dtype)), params)
+    rows = jnp.arange(B)
+
+    # ---- append the chunk where it fits
+    col = jnp.arange(C)[None, :]
+    span = jnp.max(jnp.where(chunk_valid, col + 1, 0), axis=1)  # slots the chunk occupies
+    fits = state.cache.end + span <= S
+    write = chunk_valid & (active & fits)[:, None]
+    # a turn continues from its chunk's last token, so an active row needs a non-empty chunk
+    # and room for at least one reply token
+    live = active & fits & (span > 0) & (state.cache.end + span < S)
+    slots = jnp.where(write, state.cache.end[:, None] + col, S)
+    tokens_buf = state.tokens.at[rows[:, None], slots].set(chunk, mode="drop")
+    hidden, cache = model_lib.hidden_states(params, cfg, chunk, write, state.cache)
+    last = jnp.maximum(span - 1, 0)
+    logits = model_lib.head_logits(params, cfg, hidden[rows, last])  # [B,V]
+
+    eos = jnp.asarray(s.eos_ids, jnp.int32)
+    reason = jnp.where(active & ~live, CONTEXT_FULL, NOT_RUN).astype(jnp.int32)
+    tail_width = max([len(x) for x in s.stop] + [1]) + (token_bytes[0].shape[1] if s.stop else 0)
+
+    def cond(c):
+        return (c["step"] < N) & jnp.any(c["live"])
+
+    def body(c):
+        key, sub = jax.random.split(c["key"])
+        token, logp = sample_next(c["logits"], sub, temperature, s.top_k, s.top_p)
+        live = c["live"]
+        token = jnp.where(live, token, s.pad_id)
+        logp = jnp.where(live, logp, 0.0)
+        out_tokens = c["out_tokens"].at[:, c["step"]].set(token)
+        out_logp = c["out_logp"].at[:, c["step"]].set(logp)
+        slot = jnp.where(live, c["cache"].end, S)
+        buf = c["tokens_buf"].at[rows, slot].set(token, mode="drop")
+        lp_buf = c["lp_buf"].at[rows, slot].set(logp, mode="drop")
+        gen_buf = c["gen_buf"].at[rows, slot].set(True, mode="drop")
+        hidden, cache = model_lib.hidden_states(params, cfg, token[:, None], live[:, None],
+                                                c["cache"])
         logits = model_lib.head_logits(params, cfg, hidden[:, 0])
-        return step + 1, key, logits, cache, done, tokens, logprobs
 
-    init = (jnp.int32(0), key, logits, cache, jnp.zeros((B,), bool),
-            jnp.full((B, max_new_tokens), pad_id, jnp.int32),
-            jnp.zeros((B, max_new_tokens), jnp.float32))
-    step, _, _, cache, done, tokens, logprobs = jax.lax.while_loop(cond, body, init)
-    n = jnp.arange(max_new_tokens)[None, :]
-    is_eos = jnp.isin(tokens, eos) & (n < step)
-    first_eos = jnp.min(jnp.where(is_eos, n, max_new_tokens), axis=1)
-    length = jnp.minimum(first_eos + 1, step).astype(jnp.int32)
-    return Generation(tokens, logprobs, length, cache)
+        stopped = jnp.where(jnp.isin(token, eos), EOS, 0)
+        tail = c["tail"]
+        if s.stop:
+            table, lengths = token_bytes
+            n = jnp.where(live, lengths[token], 0)
+            tail = _push_bytes(tail, table[token], n)
+            stopped = jnp.where((stopped == 0) & _ends_with_stop(tail, n, s.stop),
+                                STOP_STRING, stopped)
+        stopped = jnp.where((stopped == 0) & (c["step"] + 1 >= N), BUDGET, stopped)
+        stopped = jnp.where((stopped == 0) & (cache.end >= S), CONTEXT_FULL, stopped)
+        stopped = jnp.where(live, stopped, 0)
+        return dict(step=c["step"] + 1, key=key, logits=logits, cache=cache,
+                    live=live & (stopped == 0), reason=jnp.where(stopped > 0, stopped, c["reason"]),
+                    length=c["length"] + live, out_tokens=out_tokens, out_logp=out_logp,
+                    tokens_buf=buf, lp_buf=lp_buf, gen_buf=gen_buf, tail=tail)
+
+    init = dict(step=jnp.int32(0), key=key, logits=logits, cache=cache, live=live, reason=reason,
+                length=jnp.zeros((B,), jnp.int32),
+                out_tokens=jnp.full((B, N), s.pad_id, jnp.int32),
+                out_logp=jnp.zeros((B, N), jnp.float32), tokens_buf=tokens_buf,
+                lp_buf=state.logprobs, gen_buf=state.generated,
+                tail=jnp.zeros((B, tail_width), jnp.uint8))
+    c = jax.lax.while_loop(cond, body, init)
+    new_state = SamplerState(cache=c["cache"], tokens=c["tokens_buf"], logprobs=c["lp_buf"],
+                             generated=c["gen_buf"])
+    return new_state, Turn(c["out_tokens"], c["out_logp"], c["length"], c["reason"])
