@@ -333,16 +333,20 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
 
 # ----------------------------------------------------------------------------- gradients
 def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None):
-    """grads(actor_params, critic_params, mb: Batch, train_actor=True) ->
-    (actor_grads | None, critic_grads | None, metrics) for one mini-batch.
+    """grads(actor_params, critic_params, mb: Batch) -> (actor_grads, critic_grads | None,
+    metrics) for one mini-batch (critic_params / critic_grads are None without a critic).
 
     The mini-batch runs in micro-batches of `micro_batch_size` rows whose gradients are summed;
     loss denominators are counted over the whole mini-batch first, so the sum is exactly the
-    mini-batch gradient. `train_actor` (bool[], traced) skips the actor's forward/backward
-    (critic warm-up); its grads and metrics are then 0.
+    mini-batch gradient.
     """
     if algo.uses_critic and critic_cfg is None:
         raise ValueError(f"adv_estimator={algo.adv_estimator} needs critic_cfg")
+
+    actor_names = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                   "actor/ppo_kl", "actor/entropy", "actor/loss") + (
+        ("actor/kl_loss",) if algo.use_kl_loss else ())
+    critic_names = ("critic/vf_loss", "critic/vf_clipfrac")
 
     def actor_loss(params, m: Batch, num_tokens, num_seqs):
         logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
@@ -380,35 +384,29 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
     actor_vg = jax.value_and_grad(actor_loss, has_aux=True)
     critic_vg = jax.value_and_grad(critic_loss, has_aux=True)
 
-    def grads(actor_params, critic_params, mb: Batch, train_actor=True):
+    def zeros(params, names):
+        """The accumulator's start: zero grads and zero sum-form stats (built from known
+        structure rather than by tracing the model once more)."""
+        return (jax.tree_util.tree_map(jnp.zeros_like, params),
+                {name: jnp.zeros((), jnp.float32) for name in names})
+
+    def grads(actor_params, critic_params, mb: Batch):
         num_tokens, num_seqs = losses.denominators(mb.loss_mask)
         micro = _micro_size(algo, mb.tokens.shape[0])
 
-        def actor_part(m):
+        def add_micro(acc, m):
+            """Add one micro-batch's grads and (sum-form) metrics to the accumulator."""
             (_, stats), g = actor_vg(actor_params, m, num_tokens, num_seqs)
-            return g, stats
-
-        def zeros_like_output(fn, *args):
-            return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                          jax.eval_shape(fn, *args))
-
-        def contribution(m):
-            """What one micro-batch adds to the accumulated grads and (sum-form) metrics."""
-            if algo.uses_critic and algo.critic_warmup > 0:
-                out = {"actor": jax.lax.cond(train_actor, actor_part,
-                                             lambda m: zeros_like_output(actor_part, m), m)}
-            else:
-                out = {"actor": actor_part(m)}
+            out = {"actor": (g, stats)}
             if algo.uses_critic:
                 (_, stats), g = critic_vg(critic_params, m, num_tokens, num_seqs)
                 out["critic"] = (g, stats)
-            return out
+            return jax.tree_util.tree_map(jnp.add, acc, out), None
 
-        micros = _micro_split(mb, micro)
-        first = jax.tree_util.tree_map(lambda x: x[0], micros)
-        total, _ = jax.lax.scan(lambda acc, m: (jax.tree_util.tree_map(jnp.add, acc,
-                                                                       contribution(m)), None),
-                                zeros_like_output(contribution, first), micros)
+        start = {"actor": zeros(actor_params, actor_names)}
+        if algo.uses_critic:
+            start["critic"] = zeros(critic_params, critic_names)
+        total, _ = jax.lax.scan(add_micro, start, _micro_split(mb, micro))
         actor_g, metrics = total["actor"]
         metrics = dict(metrics)
         critic_g = None
@@ -481,8 +479,9 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
 
         def one_update(state: TrainState, rows):
             mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
-            actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb,
-                                            train_actor)
+            # During critic warm-up the actor's gradient is still computed but not applied: a
+            # `lax.cond` around it would nearly double the compile time for a few early steps.
+            actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb)
             m = dict(m)
             norm = optax.global_norm(actor_g)
             ok = jnp.isfinite(norm) & jnp.isfinite(m["actor/loss"])

@@ -1,0 +1,273 @@
+"""The jitted StarPO update on a tiny model: gradients, micro-batching, warm-up, NaN skipping.
+
+Compiles dominate on CPU, so a handful of module-scoped jitted functions with fixed shapes are
+shared by all tests, compiled at XLA's cheapest optimisation level.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starpo import model as M
+from starpo import trainer as TR
+from starpo.trajectory import Trajectory, check_trajectory
+
+FAST = {"xla_backend_optimization_level": 0}
+_jit = functools.partial(jax.jit, compiler_options=FAST)
+
+CFG = M.ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=16, intermediate_size=64)
+CRITIC = CFG.replace(value_head=True)
+GROUPS, GROUP_SIZE, T, MAX_TURN = 4, 2, 20, 3
+
+# GRPO: 2 of 4 groups kept -> 4 rows, one mini-batch of 4 in 2 micro-batches, k = 2 updates.
+GRPO = TR.AlgoConfig(adv_estimator="grpo", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
+                     ppo_mini_batch_size=4, micro_batch_size=2, online_k=2, entropy_coeff=0.0,
+                     loss_agg_mode="seq-mean-token-mean", actor_lr=1e-3)
+# PPO with a critic: mini-batches of 2 rows in micro-batches of 1, k = 3 updates (more than the
+# 2 mini-batches of one epoch), one batch of critic warm-up.
+PPO = TR.AlgoConfig(adv_estimator="gae", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
+                    ppo_mini_batch_size=2, micro_batch_size=1, online_k=3, critic_warmup=1,
+                    actor_lr=1e-3, critic_lr=1e-2)
+
+
+def synthetic_trajectory(seed: int) -> Trajectory:
+    """Episodes of [prompt | reply | obs | reply | ...] with random lengths, turns and rewards."""
+    rng = np.random.default_rng(seed)
+    B = GROUPS * GROUP_SIZE
+    tokens = rng.integers(3, CFG.vocab_size, (B, T)).astype(np.int32)
+    loss_mask = np.zeros((B, T), bool)
+    turn_index = np.full((B, T), -1, np.int32)
+    turn_end = np.full((B, MAX_TURN), -1, np.int32)
+    turn_reward = np.zeros((B, MAX_TURN), np.float32)
+    length = np.zeros(B, np.int32)
+    for b in range(B):
+        pos = int(rng.integers(2, 4))
+        turn_index[b, :pos] = 0
+        for k in range(int(rng.integers(1, MAX_TURN + 1))):
+            if k:
+                n = int(rng.integers(1, 3))
+                turn_index[b, pos:pos + n] = k
+                pos += n
+            n = int(rng.integers(1, 4))
+            loss_mask[b, pos:pos + n] = True
+            turn_index[b, pos:pos + n] = k
+            pos += n
+            turn_end[b, k] = pos - 1
+            turn_reward[b, k] = rng.choice([0.0, 1.0, -0.1])
+        length[b] = pos
+    return Trajectory(
+        tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
+        turn_index=jnp.asarray(turn_index),
+        sample_logprobs=jnp.asarray(np.where(loss_mask, -rng.random((B, T)), 0), jnp.float32),
+        turn_end=jnp.asarray(turn_end), turn_reward=jnp.asarray(turn_reward),
+        penalty=jnp.asarray(rng.choice([0.0, -0.1], B), jnp.float32),
+        success=jnp.asarray(rng.random(B) < 0.5),
+        num_actions=jnp.asarray(rng.integers(0, 6, B), jnp.int32),
+        group_id=jnp.asarray(np.repeat(np.arange(GROUPS) * 11 + 5, GROUP_SIZE), jnp.int32),
+        tag=jnp.zeros(B, jnp.int32), length=jnp.asarray(length))
+
+
+def copy(tree):
+    """Fresh buffers: the update donates its state, so fixtures must never be handed over."""
+    return jax.tree_util.tree_map(jnp.array, tree)
+
+
+def assert_trees_close(a, b, **kw):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+def trees_equal(a, b):
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def random_params(cfg, seed):
+    """Random weights with NumPy (M.init_params would cost a compile per config); the value
+    head starts at zero as in the model."""
+    rng = np.random.default_rng(seed)
+    flat, tree = jax.tree_util.tree_flatten_with_path(M.abstract_params(cfg))
+    leaves = [np.zeros(s.shape, np.float32) if "value_head" in jax.tree_util.keystr(path)
+              else np.ones(s.shape, np.float32) if "scale" in jax.tree_util.keystr(path)
+              else rng.normal(0, 0.2, s.shape).astype(np.float32) for path, s in flat]
+    return jax.tree_util.tree_unflatten(tree, [jnp.asarray(x) for x in leaves])
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, 0), random_params(CRITIC, 1)
+
+
+@pytest.fixture(scope="module")
+def traj():
+    t = synthetic_trajectory(0)
+    check_trajectory(t, GROUP_SIZE)
+    return t
+
+
+@pytest.fixture(scope="module")
+def grpo_grads():
+    return _jit(TR.make_grad_fn(GRPO, CFG))
+
+
+@pytest.fixture(scope="module")
+def grpo_update():
+    return TR.make_update(GRPO, CFG, compiler_options=FAST)
+
+
+@pytest.fixture(scope="module")
+def ppo_update():
+    return TR.make_update(PPO, CFG, CRITIC, compiler_options=FAST)
+
+
+@pytest.fixture(scope="module")
+def grpo_batch(params, traj):
+    """The prepared (filtered, advantaged) batch of the initial policy."""
+    state = TR.init_train_state(GRPO, copy(params[0]))
+    return _jit(TR.make_prepare(GRPO, CFG))(state, traj)
+
+
+# ----------------------------------------------------------------------------- contract, config
+def test_trajectory_contract_checks(traj):
+    bad = traj.replace(turn_end=traj.turn_end.at[0, 0].set(0))  # position 0 is the prompt
+    with pytest.raises(ValueError, match="model token"):
+        check_trajectory(bad, GROUP_SIZE)
+    bad = traj.replace(group_id=traj.group_id.at[1].set(99))
+    with pytest.raises(ValueError, match="group"):
+        check_trajectory(bad, GROUP_SIZE)
+    assert np.asarray(traj.score).tolist() == pytest.approx(
+        (np.asarray(traj.turn_reward).sum(1) + np.asarray(traj.penalty)).tolist())
+
+
+def test_config_validates_names_and_counts_updates():
+    with pytest.raises(ValueError, match="adv_estimator"):
+        TR.AlgoConfig(adv_estimator="ppo")
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        TR.AlgoConfig(loss_agg_mode="mean")
+    assert TR.num_updates(TR.AlgoConfig(), 32) == (32, 1)  # the reference: k = 1
+    assert TR.num_updates(TR.AlgoConfig(ppo_epochs=2, ppo_mini_batch_size=8), 32) == (8, 8)
+    assert TR.num_updates(TR.AlgoConfig(online_k=5, ppo_mini_batch_size=8), 32) == (8, 5)
+    assert TR.num_updates(TR.AlgoConfig(ppo_mini_batch_size=64), 16) == (16, 1)
+    with pytest.raises(ValueError, match="critic"):
+        TR.init_train_state(PPO, {})
+
+
+# ----------------------------------------------------------------------------- gradients
+def test_policy_gradient_equals_hand_derived_on_two_tokens(params, grpo_grads):
+    """Two model tokens, ratio 1, no entropy/KL: the loss gradient is -(1/2) sum_t A_t grad
+    log pi(a_t | prefix), with log pi read straight off the model's logits."""
+    actor = params[0]
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(3, CFG.vocab_size, (4, T)), jnp.int32)
+    valid = jnp.ones((4, T), bool)
+    picked = (5, 6)
+    adv = {5: 1.5, 6: -0.7}
+
+    def objective(p):
+        """-(1/2) sum_t A_t log pi(a_t | prefix), and the log-probs themselves."""
+        logits, _ = M.forward(p, CFG, tokens[:1], valid[:1])
+        log_pi = {t: jax.nn.log_softmax(logits[0, t - 1])[tokens[0, t]] for t in picked}
+        return -0.5 * sum(adv[t] * log_pi[t] for t in picked), log_pi
+
+    (_, log_pi), want = _jit(jax.value_and_grad(objective, has_aux=True))(actor)
+    old = np.zeros((4, T), np.float32)
+    advantages = np.zeros((4, T), np.float32)
+    mask = np.zeros((4, T), bool)
+    for t in picked:
+        old[0, t] = float(log_pi[t])
+        advantages[0, t] = adv[t]
+        mask[0, t] = True
+    batch = TR.Batch(tokens=tokens, valid=valid, loss_mask=jnp.asarray(mask),
+                     old_logprobs=jnp.asarray(old), ref_logprobs=None, old_values=None,
+                     advantages=jnp.asarray(advantages), returns=jnp.asarray(advantages))
+    got, critic, metrics = grpo_grads(actor, None, batch)
+    assert critic is None
+    assert abs(float(metrics["actor/ppo_kl"])) < 1e-6  # ratio 1: old log-probs agree
+    assert_trees_close(got, want, rtol=2e-4, atol=1e-7)
+
+
+def test_micro_batches_give_the_same_gradient(params, grpo_grads, grpo_batch):
+    batch, _ = grpo_batch
+    # move the old log-probs off the policy so that both clip branches are exercised
+    noise = jax.random.normal(jax.random.key(2), batch.old_logprobs.shape) * 0.4
+    batch = batch.replace(old_logprobs=batch.old_logprobs + noise)
+    one_by_one = _jit(TR.make_grad_fn(GRPO.replace(micro_batch_size=1, logit_chunk_size=5), CFG))
+    g2, _, m2 = grpo_grads(params[0], None, batch)
+    g1, _, m1 = one_by_one(params[0], None, batch)
+    assert float(m2["actor/pg_clipfrac"]) > 0
+    assert_trees_close(g1, g2, rtol=1e-4, atol=1e-7)
+    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"):
+        assert float(m1[name]) == pytest.approx(float(m2[name]), rel=1e-5, abs=1e-7)
+
+
+# ----------------------------------------------------------------------------- the update
+def test_grpo_update_lowers_its_loss(params, traj, grpo_grads, grpo_batch, grpo_update):
+    batch, _ = grpo_batch
+    before = float(grpo_grads(params[0], None, batch)[2]["actor/loss"])
+    state = TR.init_train_state(GRPO, copy(params[0]))
+    state, metrics = grpo_update(state, traj, jax.random.key(0))
+    after = float(grpo_grads(state.actor_params, None, batch)[2]["actor/loss"])
+    assert after < before - 1e-4
+    assert float(metrics["actor/online_k"]) == 2 == float(metrics["trainer/updates_per_batch"])
+    assert int(state.actor_steps) == 2 and int(state.step) == 1 and state.critic_params is None
+    assert float(metrics["rollout/kept_groups"]) == 2
+    assert float(metrics["rollout/chosen_in_group_std"]) >= float(
+        metrics["rollout/in_group_std"])
+    assert float(metrics["actor/grad_norm"]) > 0
+
+
+def test_critic_warmup_then_actor_updates(params, traj, ppo_update):
+    actor0, critic0 = params
+    state = TR.init_train_state(PPO, copy(actor0), copy(critic0))
+    state, m1 = ppo_update(state, traj, jax.random.key(0))
+    assert trees_equal(state.actor_params, actor0)  # warm-up: the actor is untouched
+    assert not trees_equal(state.critic_params, critic0)
+    assert float(m1["actor/online_k"]) == 0 and int(state.critic_steps) == 3
+    state, m2 = ppo_update(state, traj, jax.random.key(1))
+    assert not trees_equal(state.actor_params, actor0)
+    assert float(m2["actor/online_k"]) == 3 and int(state.actor_steps) == 3
+    assert float(m2["critic/vf_loss"]) < float(m1["critic/vf_loss"])  # the critic learned
+    assert float(m2["critic/values/mean"]) != 0.0  # zero-initialised head has moved
+    assert float(m2["rollout/kept_groups"]) == 2
+    expected = {
+        "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/kept_groups",
+        "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+        "actor/entropy", "actor/loss", "actor/grad_norm", "actor/lr",
+        "actor/sampler_logprob_gap", "actor/sampler_logprob_abs_gap", "actor/online_k",
+        "actor/nonfinite_skipped", "trainer/updates_per_batch", "critic/score/mean",
+        "critic/score/max", "critic/score/min", "critic/rewards/mean",
+        "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+        "critic/returns/mean", "critic/returns/max", "critic/returns/min",
+        "response_length/mean", "critic/values/mean", "critic/values/max", "critic/values/min",
+        "critic/vf_explained_var", "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
+        "critic/lr", "critic/nonfinite_skipped"}
+    assert set(m2) == expected
+
+
+@pytest.mark.parametrize("which", ["grpo", "ppo"])
+def test_nonfinite_update_is_skipped_and_counted(params, traj, grpo_update, ppo_update, which):
+    actor0, critic0 = params
+    if which == "grpo":
+        # a NaN reward in one episode of every group reaches every advantage through the
+        # group statistics, so every gradient
+        poisoned = traj.replace(penalty=traj.penalty.at[::GROUP_SIZE].set(jnp.nan))
+        state, update, k = TR.init_train_state(GRPO, copy(actor0)), grpo_update, 2
+    else:
+        # every episode: the critic's returns are per episode, and each mini-batch must see one
+        poisoned = traj.replace(penalty=jnp.full_like(traj.penalty, jnp.nan))
+        state, update, k = TR.init_train_state(PPO, copy(actor0), copy(critic0)), ppo_update, 3
+        state = state.replace(step=jnp.ones((), jnp.int32))  # past the critic warm-up
+    state, metrics = update(state, poisoned, jax.random.key(0))
+    assert float(metrics["actor/nonfinite_skipped"]) == k
+    assert float(metrics["actor/online_k"]) == 0
+    assert int(state.actor_steps) == 0
+    assert trees_equal(state.actor_params, actor0)
+    assert all(np.isfinite(np.asarray(x)).all()
+               for x in jax.tree_util.tree_leaves(state.actor_opt_state))
+    if which == "ppo":
+        assert float(metrics["critic/nonfinite_skipped"]) == k
+        assert trees_equal(state.critic_params, critic0)
