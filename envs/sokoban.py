@@ -8,19 +8,24 @@ solved or after `max_steps` steps. Once done, the state absorbs further actions 
 reference never steps a finished episode, so this only makes batched rollouts simple.
 
 Level generation mirrors the reference's recipe with fixed-size array work instead of a Python
-search, so one PRNG key gives the same level on every machine:
-  1. carve a room: a random walk of int(1.7 * (h + w)) steps stamping random 3x3 masks,
-     walls on the border (`num_rooms` candidate rooms at once);
-  2. place the player and the boxes on random floor cells, each box on its own target;
+search and retries, so one PRNG key gives the same level on every machine:
+  1. carve `num_rooms` candidate rooms: random walks of int(1.7 * (h + w)) steps stamping
+     random 3x3 masks, walls on the border;
+  2. place the player and the boxes on random floor cells, each box on its own target, and
+     test cheaply whether a pull is possible at all (rooms that pass are tried first);
   3. reverse play: `num_walks` random walks of `walk_length` moves in which the player pulls
-     any box behind it. Every visited state is scored as in the reference, (number of times the
-     pulled box changed) x (total box-to-own-target Manhattan distance), and counts only when
-     every target is empty and the player is not on one; the best state over all walks wins;
+     any box behind it. Each step goes uniformly among the open directions, never straight back
+     after a plain move (that would only undo it). Every visited state is scored as in the
+     reference, (number of times the pulled box changed) x (total box-to-own-target Manhattan
+     distance), and counts only when every target is empty and the player is not on one; the
+     best state over all walks wins;
   4. with p 0.8 (if the boxes moved 1 cell in total) or 0.5, the player wanders 1-3 steps
      without pushing, as the reference does.
-The first candidate room with a positive score is used. Pulls are reversed pushes, so every
-generated level is solvable and none starts solved. A fixed fallback level (never hit in
-practice) keeps reset total.
+Rooms are reverse-played in turn until one scores > 0 (the reference retries the same way).
+Pulls are reversed pushes, so every generated level is solvable and none starts solved. A fixed
+fallback level (rarer than 1e-7 per level for the named variants) keeps reset total. The walk
+budget of each named variant is tuned so the optimal solution lengths match the reference's
+distribution; envs/hashrng.py explains the random numbers and the loop layout.
 """
 
 import collections
@@ -85,14 +90,18 @@ def _pack(cells):
     )
 
 
-def _test_bit(words, index):
-    """bool: bit `index` (int32, any shape, 0 <= index < 32 * len(words)) of packed `words`."""
-    hit = jnp.zeros(jnp.shape(index), bool)
-    for k, word in enumerate(words):
-        shift = jnp.clip(index - 32 * k, 0, 31).astype(jnp.uint32)
-        in_word = (index >= 32 * k) & (index < 32 * (k + 1))
-        hit = hit | (in_word & ((word >> shift) & 1).astype(bool))
-    return hit
+def _window(words, start):
+    """uint32 whose bit i is bit start + i of the packed `words` (start int32, 0 <= start).
+
+    One funnel shift reads a cell's whole neighbourhood: bits start .. start + 31.
+    """
+    k, r = start // 32, (start % 32).astype(jnp.uint32)
+    low, high = jnp.uint32(0), jnp.uint32(0)
+    for i, word in enumerate(words):
+        low = jnp.where(k == i, word, low)
+        high = jnp.where(k + 1 == i, word, high)
+    # A shift by 32 gives 0 in XLA, so r == 0 needs no special case.
+    return (low >> r) | (high << (jnp.uint32(32) - r))
 
 
 @struct.dataclass
@@ -144,9 +153,9 @@ class Sokoban:
     num_boxes: int = 1
     max_steps: int = 100
     symbols: tuple = SYMBOLS
-    num_rooms: int = 8
-    num_walks: int = 32
-    walk_length: int = 24
+    num_rooms: int = 10
+    num_walks: int = 16
+    walk_length: int = 32
 
     action_names = ACTION_NAMES
     instruction = INSTRUCTION
@@ -162,11 +171,14 @@ class Sokoban:
                 f"Sokoban room {self.dim_x}x{self.dim_y} is too small: dim_x and dim_y must be >= 4 "
                 "(walls take the border)"
             )
+        if self.dim_y > 15:
+            # The generator reads a cell's neighbourhood (two rows and a cell) from one uint32.
+            raise ValueError(f"Sokoban dim_y (columns) must be <= 15, got {self.dim_y}")
         interior = (self.dim_x - 2) * (self.dim_y - 2)
-        if self.num_boxes + 2 > interior:
+        if 2 * self.num_boxes + 1 > interior:
             raise ValueError(
                 f"{self.num_boxes} boxes do not fit a {self.dim_x}x{self.dim_y} room: its "
-                f"{interior} floor cells must hold the boxes, their targets' and the player"
+                f"{interior} interior cells cannot hold the player, the boxes and their targets"
             )
         if _fallback_layout(self.dim_x, self.dim_y, self.num_boxes) is None:
             raise ValueError(
@@ -276,12 +288,13 @@ class Sokoban:
         # part, then rarely runs more than once.
         order = jnp.argsort(~plausible, stable=True)
 
-        # Reverse-play rooms in that order until one scores > 0. Under vmap the loop runs until
-        # every lane is done, but a lane's level depends only on its own key, so a level is the
-        # same alone or in any batch.
+        # Reverse-play rooms in that order until one scores > 0; implausible rooms cannot, so
+        # the loop stops there. Under vmap the loop runs until every lane is done, but a lane's
+        # level depends only on its own key: a level is the same alone or in any batch.
         def untried(carry):
             i, (score, _, _) = carry
-            return (i < self.num_rooms) & (score <= 0)
+            next_plausible = plausible[order[jnp.minimum(i, self.num_rooms - 1)]]
+            return (i < self.num_rooms) & (score <= 0) & next_plausible
 
         def try_room(carry):
             i, _ = carry
@@ -395,9 +408,8 @@ class Sokoban:
         seed: uint32[] of the room. Returns (score int32[], player int32[], boxes int32[nb]),
         flat cell indices; score > 0 iff a usable state was found.
         """
-        nb, w, cells = self.num_boxes, self.dim_y, self.dim_x * self.dim_y
+        nb, w = self.num_boxes, self.dim_y
         floor_bits = _pack(bitrows.unpack_rows(floor_rows, w).reshape(-1))
-        target_bits = _pack(jnp.zeros(cells, bool).at[targets].set(True))
         target = tuple(targets[j] for j in range(nb))
         offsets = (-w, w, -1, 1)  # Up, Down, Left, Right on flat indices
 
@@ -406,12 +418,14 @@ class Sokoban:
 
         def pull_step(carry, t):
             player, boxes, back, swaps, last, best, stream = carry
+            # Floor around the player: bit 0 up, 2w down, w - 1 left, w + 1 right (the player
+            # is interior, so player - w >= 0).
+            around = _window(floor_bits, player - w)
             open_ = []
-            for off in offsets:
-                ahead = player + off  # in range: the player is always interior
-                free = _test_bit(floor_bits, ahead)
+            for off, bit in zip(offsets, (0, 2 * w, w - 1, w + 1)):
+                free = ((around >> bit) & 1).astype(bool)
                 for b in boxes:
-                    free = free & (b != ahead)
+                    free = free & (b != player + off)
                 open_.append(free)
             # Step uniformly among the open directions, except straight back after a plain move
             # (that only undoes it): no step is wasted, so short walks reach as far as the
@@ -439,9 +453,12 @@ class Sokoban:
             back = jnp.where(can_move & ~any_pull, direction ^ 1, -1)  # Up<->Down, Left<->Right
             swaps = swaps + (any_pull & (which != last))
             last = jnp.where(any_pull, which, last)
-            clear = ~_test_bit(target_bits, player)
-            for b in boxes:
-                clear = clear & ~_test_bit(target_bits, b)
+            # Every target empty, the player's too (few targets: compares beat bit tests).
+            clear = True
+            for t_ in target:
+                clear = clear & (player != t_)
+                for b in boxes:
+                    clear = clear & (b != t_)
             score = jnp.where(clear, swaps * displacement(boxes), 0)
             better = score > best[0]  # strict: keep the first state reaching a score
             best = jax.tree.map(lambda new, old: jnp.where(better, new, old), (score, player, boxes), best)
