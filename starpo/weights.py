@@ -459,7 +459,7 @@ def fetch_embedded(name: str) -> str:
     return dest
 
 
-def _converted_dir(name: str) -> str:
+def converted_dir(name: str) -> str:
     """An embedded model converted once to a float32 Hugging Face directory (fast to reload)."""
     folder = os.path.join(cache_dir(), name, "hf")
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -518,7 +518,7 @@ def load_model(spec: str, *, tiny_corpus=(), **overrides) -> LoadedModel:
     directory, or a `.gguf` file.
     """
     if spec in EMBEDDED:
-        cfg, params, tok = load_hf_dir(_converted_dir(spec), **overrides)
+        cfg, params, tok = load_hf_dir(converted_dir(spec), **overrides)
         return LoadedModel(cfg, params, tok, spec)
     if spec == "tiny" or spec.startswith("tiny:"):
         opts = _parse_tiny(spec)
