@@ -271,3 +271,34 @@ def test_nonfinite_update_is_skipped_and_counted(params, traj, grpo_update, ppo_
     if which == "ppo":
         assert float(metrics["critic/nonfinite_skipped"]) == k
         assert trees_equal(state.critic_params, critic0)
+
+
+def test_kl_to_a_reference_in_reward_and_in_loss(params, traj):
+    algo = GRPO.replace(use_kl_in_reward=True, kl_penalty="kl", kl_coef=0.1, use_kl_loss=True,
+                        kl_loss_type="low_var_kl", kl_loss_coef=0.5)
+    actor, ref = params[0], random_params(CFG, 7)
+    state = TR.init_train_state(algo, copy(actor))
+    batch, metrics = _jit(TR.make_prepare(algo, CFG))(state, traj, ref)
+    old, ref_logp = np.asarray(batch.old_logprobs), np.asarray(batch.ref_logprobs)
+    mask = np.asarray(batch.loss_mask)
+    assert np.abs(old - ref_logp)[mask].min() > 0  # a different model
+    # in-reward: every model token pays kl_coef * (log pi - log pi_ref); GRPO sees the sum
+    scores = np.asarray(traj.score)
+    stds = scores.reshape(GROUPS, GROUP_SIZE).std(1, ddof=1)
+    kept = sorted(sorted(range(GROUPS), key=lambda g: (-stds[g], g))[:2])
+    rows = np.array([g * GROUP_SIZE + j for g in kept for j in range(GROUP_SIZE)])
+    penalised = scores[rows] - 0.1 * np.where(mask, old - ref_logp, 0).sum(1)
+    assert float(metrics["critic/rewards/mean"]) == pytest.approx(penalised.mean(), rel=1e-5)
+    pairs = penalised.reshape(-1, GROUP_SIZE)
+    want_adv = ((pairs - pairs.mean(1, keepdims=True))
+                / (pairs.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+    np.testing.assert_allclose(np.asarray(batch.advantages)[mask],
+                               np.repeat(want_adv, mask.sum(1)), rtol=1e-4, atol=1e-5)
+    # in-loss: k3 aggregated like the policy loss (seq-mean-token-mean), at the current policy
+    _, _, m = _jit(TR.make_grad_fn(algo, CFG))(actor, None, batch)
+    d = ref_logp - old
+    k3 = np.minimum(np.exp(d) - d - 1, 10.0)  # the estimator's clamp
+    per_row = [k3[b][mask[b]].mean() for b in range(len(mask)) if mask[b].any()]
+    assert float(m["actor/kl_loss"]) == pytest.approx(np.mean(per_row), rel=1e-4)
+    assert float(m["actor/loss"]) == pytest.approx(
+        float(m["actor/pg_loss"]) + 0.5 * np.mean(per_row), rel=1e-4, abs=1e-6)
