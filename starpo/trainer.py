@@ -70,7 +70,7 @@ class AlgoConfig:
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
     warmup_steps: int = 0
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01  # AdamW's decoupled decay (the reference's optimizer default)
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     grad_clip: float = 1.0  # global-norm clip
@@ -94,6 +94,9 @@ class AlgoConfig:
         for name in ("group_size", "ppo_mini_batch_size", "micro_batch_size", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ppo_mini_batch_size % self.micro_batch_size:
+            raise ValueError(f"ppo_mini_batch_size {self.ppo_mini_batch_size} is not a multiple "
+                             f"of micro_batch_size {self.micro_batch_size}")
         if not 0.0 < self.rollout_filter_ratio <= 1.0:
             raise ValueError(f"rollout_filter_ratio must be in (0, 1], got "
                              f"{self.rollout_filter_ratio}")
@@ -147,7 +150,8 @@ def make_optimizer(lr: float, algo: AlgoConfig) -> optax.GradientTransformation:
 
 def init_train_state(algo: AlgoConfig, actor_params, critic_params=None) -> TrainState:
     """A fresh state. `critic_params` (a model with `value_head=True`) is required by gae and
-    bi_level_gae and ignored by grpo."""
+    bi_level_gae and ignored by grpo. The update donates the state: the arrays passed in here
+    are consumed by the first update (copy them first if they are needed afterwards)."""
     if algo.uses_critic and critic_params is None:
         raise ValueError(f"adv_estimator={algo.adv_estimator} needs critic_params")
     critic = critic_params if algo.uses_critic else None
@@ -473,7 +477,7 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
         mini, k = num_updates(algo, N)
         per_epoch = N // mini
         epochs = -(-k // per_epoch)
-        perms = jax.vmap(lambda k: jax.random.permutation(k, N))(jax.random.split(key, epochs))
+        perms = jax.vmap(lambda kk: jax.random.permutation(kk, N))(jax.random.split(key, epochs))
         order = perms[:, :per_epoch * mini].reshape(epochs * per_epoch, mini)[:k]  # [k, mini]
         train_actor = state.step >= algo.critic_warmup if algo.uses_critic else jnp.bool_(True)
 

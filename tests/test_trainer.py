@@ -150,6 +150,8 @@ def test_config_validates_names_and_counts_updates():
         TR.AlgoConfig(adv_estimator="ppo")
     with pytest.raises(ValueError, match="loss_agg_mode"):
         TR.AlgoConfig(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        TR.AlgoConfig(ppo_mini_batch_size=6, micro_batch_size=4)
     assert TR.num_updates(TR.AlgoConfig(), 32) == (32, 1)  # the reference: k = 1
     assert TR.num_updates(TR.AlgoConfig(ppo_epochs=2, ppo_mini_batch_size=8), 32) == (8, 8)
     assert TR.num_updates(TR.AlgoConfig(online_k=5, ppo_mini_batch_size=8), 32) == (8, 5)
