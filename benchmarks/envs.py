@@ -9,18 +9,19 @@ The last line printed is one JSON object. With --batch it is keyed by env name w
 figures and the speed-ups at the largest batch.
 
 What is timed. Resets: one jitted vmapped `reset` per call (level generation included), the
-next call's keys already on device. Steps: a jitted `lax.scan` of `--scan` vmapped steps per
-call, random valid actions, the way an on-device rollout runs them (`steps_per_s_per_call`
-is the same with one jitted call per step, i.e. with Python dispatch in the loop). Each figure
-is env transitions (or new levels) per second over all envs of the batch, compile and warm-up
-excluded, `block_until_ready` before the clock stops.
+call's keys already on device. Steps: a jitted `lax.scan` of `--scan` vmapped steps per call
+(random valid actions, per-step keys split on device), the way an on-device rollout runs them;
+`steps_per_s_per_call` is one jitted call per step instead, i.e. Python dispatch in the loop.
+Each figure is env transitions (or new levels) per second over all envs of the batch: the
+median call, compile and warm-up excluded, `block_until_ready` before the clock stops (the
+median because on a shared machine a few calls stall for reasons unrelated to the env).
 
 The Python reference does the same work one env at a time: gymnasium's FrozenLakeEnv built
 on a fresh `generate_random_map` per reset (as RAGEN's FrozenLake does; gymnasium's generator
 fixes start and goal in the corners, RAGEN's draws them) and `step` per action; gym_sokoban's
 room generator per reset (it searches to depth 300; RAGEN's LargerSokoban passes 10) and
-`SokobanEnv.step` with the text render RAGEN uses. Both are optional: a missing package is
-reported and skipped.
+`SokobanEnv.step` with the text render RAGEN uses; timed as total throughput of the loop. Both
+are optional: a missing package is reported and skipped.
 """
 
 import argparse
@@ -43,14 +44,16 @@ import envs  # noqa: E402  (the repo root must be on the path first)
 ALL_BATCHES = (1, 64, 4096)
 
 
-def _timed(fn, min_seconds, min_calls=3):
-    """Seconds per call of fn() (which blocks), after one untimed warm-up call."""
+def _timed(fn, min_seconds, min_calls=5):
+    """Median seconds per call of fn(), after one untimed warm-up call. The median, not the
+    mean: on a shared machine a few calls stall, and they say nothing about the env."""
     fn()
-    calls, start = 0, time.perf_counter()
-    while calls < min_calls or time.perf_counter() - start < min_seconds:
+    times, start = [], time.perf_counter()
+    while len(times) < min_calls or time.perf_counter() - start < min_seconds:
+        t = time.perf_counter()
         fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
 
 
 def bench_jax(name, batch, scan, min_seconds):
@@ -72,6 +75,7 @@ def bench_jax(name, batch, scan, min_seconds):
     key_sets = [jax.random.split(jax.random.key(i), batch) for i in range(4)]
     rng = np.random.default_rng(0)
     action_sets = [jnp.asarray(rng.integers(1, env.num_actions + 1, (scan, batch)), jnp.int32) for _ in range(4)]
+    first_actions = [a[0] for a in action_sets]
     state = reset(key_sets[0])
     counter = [0]
 
@@ -87,7 +91,7 @@ def bench_jax(name, batch, scan, min_seconds):
     def do_step():
         counter[0] += 1
         i = counter[0] % 4
-        jax.block_until_ready(step(key_sets[i], state, action_sets[i][0]))
+        jax.block_until_ready(step(key_sets[i], state, first_actions[i]))
 
     return {
         "resets_per_s": batch / _timed(do_reset, min_seconds),
@@ -129,7 +133,8 @@ def bench_gymnasium_frozen_lake(min_seconds):
 
 
 def _timed_loop(fn, min_seconds):
-    """Seconds per call of a Python callable, in a tight loop."""
+    """Mean seconds per call of a Python callable. The mean here: the reference's calls vary by
+    themselves (a Sokoban search takes 1 ms or 1 s), and throughput is what a user gets."""
     fn()
     calls, start = 0, time.perf_counter()
     while calls < 10 or time.perf_counter() - start < min_seconds:
@@ -143,7 +148,7 @@ def _import_gym_sokoban():
     which new setuptools no longer ship: give it a minimal stand-in (file lookup only)."""
     if importlib.util.find_spec("gym_sokoban") is None:
         return None
-    if importlib.util.find_spec("pkg_resources") is None:
+    if "pkg_resources" not in sys.modules and importlib.util.find_spec("pkg_resources") is None:
         shim = types.ModuleType("pkg_resources")
 
         def resource_filename(package, path):

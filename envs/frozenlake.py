@@ -9,8 +9,8 @@ Map generation reproduces the reference's rejection sampler in one shot: `num_ca
 maps are drawn together and the first valid one is kept (start != goal and a hole-free path
 from start to goal). Conditioned on at least one candidate being valid this is exactly the
 reference's distribution; the always-valid fallback (open lake, start top-left, goal
-bottom-right) only fires when every candidate fails (about 1e-12 for 4x4 with 16 candidates),
-so reset never loops and never depends on the process.
+bottom-right) only fires when every candidate fails (11% of 4x4 draws are invalid, so all 16
+candidates fail with p ~ 4e-16), so reset never loops and never depends on the process.
 """
 
 import dataclasses
@@ -102,8 +102,9 @@ class FrozenLake:
     num_actions = 4
 
     def __post_init__(self):
-        if not isinstance(self.size, int) or self.size < 2:
-            raise ValueError(f"FrozenLake size must be an int >= 2, got {self.size!r}")
+        if not isinstance(self.size, int) or not 2 <= self.size <= 32:
+            # Maps are generated as uint32 row bitmasks (envs/bitrows.py): at most 32 columns.
+            raise ValueError(f"FrozenLake size must be an int in [2, 32], got {self.size!r}")
         if not 0.0 < float(self.p) <= 1.0:
             raise ValueError(f"FrozenLake p (probability of frozen) must be in (0, 1], got {self.p!r}")
         if not isinstance(self.num_candidates, int) or self.num_candidates < 1:
