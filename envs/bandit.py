@@ -59,7 +59,9 @@ class Bandit:
         for field in ("low_arm", "high_arm"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value.strip() or value != value.strip():
-                raise ValueError(f"Bandit {field} must be a non-empty name without surrounding spaces, got {value!r}")
+                raise ValueError(
+                    f"Bandit {field} must be a non-empty name without surrounding spaces, got {value!r}"
+                )
         if self.low_arm.lower() == self.high_arm.lower():
             raise ValueError(f"Bandit arm names must differ (case-insensitively), got {self.low_arm!r} twice")
 

@@ -37,6 +37,8 @@ def flood(passable, row, col, rounds, width):
     def grow(_, r):
         zero = jnp.zeros_like(r[0])
         below, above = r[1:] + (zero,), (zero,) + r[:-1]
-        return tuple(r[k] | (((r[k] << 1) | (r[k] >> 1) | below[k] | above[k]) & passable[k]) for k in range(h))
+        return tuple(
+            r[k] | (((r[k] << 1) | (r[k] >> 1) | below[k] | above[k]) & passable[k]) for k in range(h)
+        )
 
     return jnp.stack(jax.lax.fori_loop(0, rounds, grow, reach))

@@ -129,7 +129,8 @@ class FrozenLake:
             ice, start[:, 0], start[:, 1], n * n - 1, n
         )  # [m, n]
         goal_row = jnp.take_along_axis(reach, goal[:, :1], axis=1)[:, 0]
-        valid = jnp.any(start != goal, axis=1) & ((goal_row >> goal[:, 1].astype(jnp.uint32)) & 1).astype(bool)
+        reached = ((goal_row >> goal[:, 1].astype(jnp.uint32)) & 1).astype(bool)
+        valid = jnp.any(start != goal, axis=1) & reached  # [m]
         first = jnp.argmax(valid)
 
         grid = jnp.where(bitrows.unpack_rows(ice[first], n), FROZEN, HOLE).astype(jnp.int8)

@@ -72,7 +72,7 @@ _MASKS = np.array(
     bool,
 )
 # Each mask as a 9-bit code, bit 3 * row + col.
-_MASK_CODES = np.array([int(sum(1 << i for i, v in enumerate(m.reshape(-1)) if v)) for m in _MASKS], np.int32)
+_MASK_CODES = [int(sum(1 << i for i, v in enumerate(m.reshape(-1)) if v)) for m in _MASKS]
 _CHANGE_DIRECTION_PROB = 0.35
 # Salts of the generator's independent random streams.
 _ROOMS, _CARVE, _PLACE, _WALKS, _WANDER = 1, 2, 3, 4, 5
@@ -83,11 +83,12 @@ _WANDER_PROB_NEAR, _WANDER_PROB, _WANDER_CONTINUE, _WANDER_STEPS = 0.8, 0.5, 0.5
 
 def _pack(cells):
     """Tuple of uint32 words, bit i of word k = cells[32 k + i]. cells: bool[n]."""
-    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
-    return tuple(
-        jnp.sum(jnp.where(cells[k : k + 32], weights[: cells[k : k + 32].shape[0]], jnp.uint32(0)), dtype=jnp.uint32)
-        for k in range(0, cells.shape[0], 32)
-    )
+    words = []
+    for k in range(0, cells.shape[0], 32):
+        chunk = cells[k : k + 32]
+        weights = jnp.left_shift(jnp.uint32(1), jnp.arange(chunk.shape[0], dtype=jnp.uint32))
+        words.append(jnp.sum(jnp.where(chunk, weights, jnp.uint32(0)), dtype=jnp.uint32))
+    return tuple(words)
 
 
 def _window(words, start):
@@ -304,7 +305,7 @@ class Sokoban:
         start = (jnp.zeros((), jnp.int32), (jnp.zeros((), jnp.int32), player0[0], targets[0]))
         i, (score, player, boxes) = jax.lax.while_loop(untried, try_room, start)
         r = order[i - 1]
-        floor, targets = bitrows.unpack_rows(floor_rows[r], w).reshape(-1), targets[r]
+        floor, targets = bitrows.unpack_rows(floor_rows[r], w).reshape(-1), targets[r]  # [H*W], [nb]
         player = self._wander(seed, floor, boxes, player, self._displacement(boxes, targets))
 
         room = jnp.where(floor, FLOOR, WALL).astype(jnp.int8).at[targets].set(TARGET)
@@ -314,7 +315,7 @@ class Sokoban:
         return SokobanState(
             room=jnp.where(ok, room.reshape(h, w), jnp.asarray(fb_room)),
             boxes=jnp.where(ok, box_grid.reshape(h, w), jnp.asarray(fb_boxes)),
-            player=jnp.where(ok, jnp.stack([player // w, player % w]), jnp.asarray(fb_player)).astype(jnp.int32),
+            player=jnp.where(ok, jnp.stack([player // w, player % w]), jnp.asarray(fb_player)),
             steps=jnp.zeros((), jnp.int32),
         )
 
@@ -331,11 +332,13 @@ class Sokoban:
         floor = bitrows.unpack_rows(floor_rows, w).reshape(-1)
         # The player and the targets are the floor cells with the nb + 1 smallest random keys:
         # a uniformly random distinct placement, as the reference's sequential draws.
-        priority = jnp.where(floor, hashrng.draw(hashrng.stream_key(seed, _PLACE), jnp.arange(h * w)), jnp.uint32(0xFFFFFFFF))
+        never = jnp.uint32(0xFFFFFFFF)
+        priority = hashrng.draw(hashrng.stream_key(seed, _PLACE), jnp.arange(h * w))
+        priority = jnp.where(floor, priority, never)
         picks = []
         for _ in range(nb + 1):
             picks.append(jnp.argmin(priority).astype(jnp.int32))
-            priority = priority.at[picks[-1]].set(jnp.uint32(0xFFFFFFFF))
+            priority = priority.at[picks[-1]].set(never)
         player, targets = picks[0], jnp.stack(picks[1:])
 
         # Plausible: the player can reach a cell t + d beside a box (t a target) with t + 2d
@@ -374,7 +377,8 @@ class Sokoban:
         def step(carry, t):
             row, col, direction, rows = carry
             turn, pick = hashrng.draw(stream, 3 + 2 * t), hashrng.draw(stream, 4 + 2 * t)
-            direction = jnp.where(hashrng.to_uniform(turn) < _CHANGE_DIRECTION_PROB, (turn & 3).astype(jnp.int32), direction)
+            turns = hashrng.to_uniform(turn) < _CHANGE_DIRECTION_PROB
+            direction = jnp.where(turns, (turn & 3).astype(jnp.int32), direction)
             # Directions in the reference's order: down, right, up, left.
             row = jnp.clip(row + jnp.where(direction == 0, 1, jnp.where(direction == 2, -1, 0)), 1, h - 2)
             col = jnp.clip(col + jnp.where(direction == 1, 1, jnp.where(direction == 3, -1, 0)), 1, w - 2)
@@ -387,14 +391,16 @@ class Sokoban:
             for k in range(h):
                 di = k - row + 1  # this row's place in the stamp, stamped if 0 <= di < 3
                 pattern = (code >> (3 * jnp.clip(di, 0, 2)).astype(jnp.uint32)) & jnp.uint32(7)
-                new_rows.append(rows[k] | jnp.where((di >= 0) & (di < 3), pattern << shift, jnp.uint32(0)))
+                stamped = jnp.where((di >= 0) & (di < 3), pattern << shift, jnp.uint32(0))
+                new_rows.append(rows[k] | stamped)
             return (row, col, direction, tuple(new_rows)), None
 
         rows0 = tuple(jnp.zeros((), jnp.uint32) for _ in range(h))
         n = int(1.7 * (h + w))  # the reference's number of carving steps
         (_, _, _, rows), _ = jax.lax.scan(step, (row0, col0, first_dir, rows0), jnp.arange(n))
         interior = ((1 << (w - 1)) - 1) & ~1  # columns 1 .. w-2; rows 0 and h-1 stay walls
-        return jnp.stack([jnp.uint32(0)] + [r & jnp.uint32(interior) for r in rows[1:-1]] + [jnp.uint32(0)])
+        inner = [r & jnp.uint32(interior) for r in rows[1:-1]]
+        return jnp.stack([jnp.uint32(0)] + inner + [jnp.uint32(0)])
 
     def _displacement(self, boxes, targets):
         """int32[]: total Manhattan distance of each box (flat index) from its own target."""
@@ -440,7 +446,9 @@ class Sokoban:
             rank = jnp.floor(hashrng.to_uniform(hashrng.draw(stream, t)) * end3).astype(jnp.int32)
             direction = (rank >= end0).astype(jnp.int32) + (rank >= end1) + (rank >= end2)
             can_move = end3 > 0
-            off = jnp.where(direction == 0, offsets[0], jnp.where(direction == 1, offsets[1], jnp.where(direction == 2, offsets[2], offsets[3])))
+            off = jnp.full_like(player, offsets[3])
+            for d in (2, 1, 0):
+                off = jnp.where(direction == d, offsets[d], off)
             behind = player - off
             pulled = [can_move & (b == behind) for b in boxes]  # at most one True
             boxes = tuple(jnp.where(p, player, b) for p, b in zip(pulled, boxes))
@@ -461,7 +469,8 @@ class Sokoban:
                     clear = clear & (b != t_)
             score = jnp.where(clear, swaps * displacement(boxes), 0)
             better = score > best[0]  # strict: keep the first state reaching a score
-            best = jax.tree.map(lambda new, old: jnp.where(better, new, old), (score, player, boxes), best)
+            new = (score, player, boxes)
+            best = jax.tree.map(lambda n, o: jnp.where(better, n, o), new, best)
             return (player, boxes, back, swaps, last, best, stream), None
 
         def reverse_walk(stream):
@@ -483,7 +492,8 @@ class Sokoban:
         """
         w = self.dim_y
         offsets = jnp.array([-w, w, -1, 1], jnp.int32)
-        u = hashrng.to_uniform(hashrng.draw(hashrng.stream_key(seed, _WANDER), jnp.arange(1 + 5 * _WANDER_STEPS)))
+        stream = hashrng.stream_key(seed, _WANDER)
+        u = hashrng.to_uniform(hashrng.draw(stream, jnp.arange(1 + 5 * _WANDER_STEPS)))
         p_go = jnp.where(displacement == 1, _WANDER_PROB_NEAR, _WANDER_PROB)
         active = u[0] < p_go
         visited = jnp.full((_WANDER_STEPS + 1,), -1, jnp.int32).at[0].set(player)
@@ -536,7 +546,8 @@ class Sokoban:
             raise ValueError("Sokoban text has no box")
         if boxes.sum() != on_target.sum():
             raise ValueError(
-                f"Sokoban boxes and targets do not pair up: {boxes.sum()} boxes, {on_target.sum()} targets"
+                f"Sokoban boxes and targets do not pair up: {boxes.sum()} boxes, "
+                f"{on_target.sum()} targets"
             )
         room = np.where(on_target, TARGET, np.where(codes == WALL, WALL, FLOOR))
         return SokobanState(
