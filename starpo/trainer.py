@@ -80,6 +80,9 @@ class AlgoConfig:
     ppo_epochs: int = 1
     online_k: int = 0  # optimizer updates per rollout batch; 0 = ppo_epochs * mini-batches
     logit_chunk_size: int = 0  # tokens per chunk of the log-prob head; 0 = whole sequence
+    # the rollout's sampling temperature: the policy being optimised is the tempered one, so the
+    # training forward divides logits by it too (as the reference's actor does)
+    temperature: float = 1.0
 
     def __post_init__(self):
         choices = {
@@ -192,8 +195,10 @@ def _shift_right(x: jax.Array) -> jax.Array:
     return jnp.pad(x, ((0, 0), (1, 0)))
 
 
-def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0):
-    """Log-prob and entropy f32[B,T] of each token under the model, aligned with the token.
+def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
+                   temperature: float = 1.0):
+    """Log-prob and entropy f32[B,T] of each token under the model's distribution at
+    `temperature` (the one the sampler drew from), aligned with the token.
 
     With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
     rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
@@ -202,7 +207,10 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0):
     h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
 
     def head(params, h, y):
-        return losses.logprobs_and_entropy(model_lib.head_logits(params, cfg, h), y)
+        logits = model_lib.head_logits(params, cfg, h)
+        if temperature != 1.0:
+            logits = logits / temperature
+        return losses.logprobs_and_entropy(logits, y)
 
     B, n, D = h.shape
     if chunk <= 0 or chunk >= n:
@@ -275,7 +283,8 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         micro = _micro_size(algo, N)
 
         def logp_of(params):
-            fn = lambda t, v: token_logprobs(params, actor_cfg, t, v, algo.logit_chunk_size)[0]
+            fn = lambda t, v: token_logprobs(params, actor_cfg, t, v, algo.logit_chunk_size,
+                                             algo.temperature)[0]
             return _micro_map(fn, micro, traj.tokens, valid)
 
         old_logp = logp_of(state.actor_params)
@@ -354,7 +363,7 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
 
     def actor_loss(params, m: Batch, num_tokens, num_seqs):
         logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
-                                       algo.logit_chunk_size)
+                                       algo.logit_chunk_size, algo.temperature)
         pg, clipped, lower, log_ratio = losses.policy_loss_terms(
             logp, m.old_logprobs, m.advantages, algo.clip_ratio_low, algo.clip_ratio_high,
             algo.clip_ratio_c)

@@ -23,10 +23,11 @@ CFG = M.ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, nu
 CRITIC = CFG.replace(value_head=True)
 GROUPS, GROUP_SIZE, T, MAX_TURN = 4, 2, 20, 3
 
-# GRPO: 2 of 4 groups kept -> 4 rows, one mini-batch of 4 in 2 micro-batches, k = 2 updates.
+# GRPO: 2 of 4 groups kept -> 4 rows, one mini-batch of 4 in 2 micro-batches, k = 2 updates,
+# sampled at temperature 0.8.
 GRPO = TR.AlgoConfig(adv_estimator="grpo", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
                      ppo_mini_batch_size=4, micro_batch_size=2, online_k=2, entropy_coeff=0.0,
-                     loss_agg_mode="seq-mean-token-mean", actor_lr=1e-3)
+                     loss_agg_mode="seq-mean-token-mean", actor_lr=1e-3, temperature=0.8)
 # PPO with a critic: mini-batches of 2 rows in micro-batches of 1, k = 3 updates (more than the
 # 2 mini-batches of one epoch), one batch of critic warm-up.
 PPO = TR.AlgoConfig(adv_estimator="gae", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
@@ -163,7 +164,8 @@ def test_config_validates_names_and_counts_updates():
 # ----------------------------------------------------------------------------- gradients
 def test_policy_gradient_equals_hand_derived_on_two_tokens(params, grpo_grads):
     """Two model tokens, ratio 1, no entropy/KL: the loss gradient is -(1/2) sum_t A_t grad
-    log pi(a_t | prefix), with log pi read straight off the model's logits."""
+    log pi(a_t | prefix), with log pi read straight off the model's logits (at temperature
+    0.8, the policy the sampler used)."""
     actor = params[0]
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(3, CFG.vocab_size, (4, T)), jnp.int32)
@@ -174,7 +176,7 @@ def test_policy_gradient_equals_hand_derived_on_two_tokens(params, grpo_grads):
     def objective(p):
         """-(1/2) sum_t A_t log pi(a_t | prefix), and the log-probs themselves."""
         logits, _ = M.forward(p, CFG, tokens[:1], valid[:1])
-        log_pi = {t: jax.nn.log_softmax(logits[0, t - 1])[tokens[0, t]] for t in picked}
+        log_pi = {t: jax.nn.log_softmax(logits[0, t - 1] / 0.8)[tokens[0, t]] for t in picked}
         return -0.5 * sum(adv[t] * log_pi[t] for t in picked), log_pi
 
     (_, log_pi), want = _jit(jax.value_and_grad(objective, has_aux=True))(actor)
