@@ -59,6 +59,16 @@ def test_sokoban_replays_golden_trace(case):
         assert int(env._boxes_on_target(state)) == rec["boxes_on_target"], where
 
 
+def test_solver_finds_the_reference_solution_lengths():
+    """The reference's recorded `solution` episodes are its BFS-optimal plans."""
+    solutions = [c for c in SOKOBAN["cases"] if c["name"].endswith("_solution")]
+    assert len(solutions) == 4
+    for case in solutions:
+        env = _sokoban_env(case["config"])
+        state = env.from_text(case["initial_text"])
+        assert envs.solve(state) == len(case["steps"]), case["name"]
+
+
 @pytest.mark.parametrize("case", FROZEN_LAKE["cases"], ids=lambda c: c["name"])
 def test_frozen_lake_replays_golden_trace(case):
     size = len(case["map"])
