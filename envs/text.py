@@ -1,0 +1,123 @@
+"""Env state -> text as pieces, for rendering observations on device.
+
+Tokenisation is not jittable, so the text of a state is described as a sequence of *pieces*
+drawn from a fixed, finite list of strings (`EnvText.pieces`): a grid is its cell symbols with a
+newline piece between rows; the Bandit's text is one of its few whole prompts/results. The host
+tokenises each piece once (starpo/rollout.py); on device `EnvText.render(state)` gives the piece
+ids, and the observation is a gather of their tokens. Decoding the pieces in order gives exactly
+`env.to_text(state)` (checked by `check_render`).
+
+Also here: the env's fixed prompt prefix (instruction, legend, action list, budget line) and the
+reference's per-env interaction budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+from envs import bandit as bandit_lib
+
+ACTION_SEP = "||"  # the reference's action separator (shown to the model as " || ")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvText:
+    """How one env variant talks.
+
+    pieces:    the strings a state's text is made of (piece ids index this tuple)
+    width:     number of piece ids `render` returns (-1 pads)
+    render:    jittable state -> int32[width] piece ids
+    prefix:    the fixed text before the first turn (instruction, legend, actions, budget line)
+    action_names: names an answer is matched against (case-insensitively)
+    max_actions_per_turn / max_actions_per_traj: the reference's budgets for this env
+    """
+
+    pieces: tuple
+    width: int
+    render: Callable
+    prefix: str
+    action_names: tuple
+    max_actions_per_turn: int
+    max_actions_per_traj: int
+
+
+def prefix_text(env, max_actions_per_traj: int) -> str:
+    """The reference's first-user-message prefix: instruction + legend + action list + budget."""
+    text = env.instruction
+    if env.legend:
+        text += "\nThe meaning of each symbol in the state is:\n" + env.legend
+    if env.instruction:  # grid envs have an action lookup; the Bandit's prompt is its state
+        text += "\nYour available actions are:\n" + ", ".join(env.action_names)
+        text += (f"\nYou can make up to {max_actions_per_traj} actions, separated by the action "
+                 f"separator \" {ACTION_SEP} \"\n")
+    return text
+
+
+def _grid_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
+    symbols = tuple(env.symbols)
+    newline = len(symbols)
+    pieces = symbols + ("\n",)
+
+    def render(state):
+        codes = env.render_codes(state).astype(jnp.int32)  # [R, C]
+        rows = codes.shape[0]
+        nl = jnp.full((rows, 1), newline, jnp.int32)
+        return jnp.concatenate([codes, nl], axis=1).reshape(-1)[:-1]  # no newline after last row
+
+    codes_shape = _render_shape(env)
+    width = codes_shape[0] * (codes_shape[1] + 1) - 1
+    return EnvText(pieces, width, render, prefix_text(env, max_actions_per_traj),
+                   tuple(env.action_names), max_actions_per_turn, max_actions_per_traj)
+
+
+def _render_shape(env):
+    if hasattr(env, "size"):
+        return (env.size, env.size)
+    return (env.dim_x, env.dim_y)
+
+
+def _bandit_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
+    low, high = env.low_arm, env.high_arm
+    pieces = (
+        bandit_lib.PROMPT_TEMPLATE.format(name_a=low, name_b=high),   # 0: low arm is action 1
+        bandit_lib.PROMPT_TEMPLATE.format(name_a=high, name_b=low),   # 1: high arm is action 1
+        bandit_lib.RESULT_TEMPLATE.format(arm=low, reward=bandit_lib.LOW_RISK_REWARD),
+        bandit_lib.RESULT_TEMPLATE.format(arm=high, reward=bandit_lib.HIGH_RISK_WIN),
+        bandit_lib.RESULT_TEMPLATE.format(arm=high, reward=bandit_lib.HIGH_RISK_LOSS),
+    )
+
+    def render(state):
+        pulled_high = (state.pulled == 1) == state.high_first
+        after = jnp.where(pulled_high, jnp.where(state.reward > 0.5, 3, 4), 2)
+        before = state.high_first.astype(jnp.int32)
+        return jnp.where(state.pulled > 0, after, before).astype(jnp.int32)[None]
+
+    return EnvText(pieces, 1, render, prefix_text(env, max_actions_per_traj),
+                   tuple(env.action_names), max_actions_per_turn, max_actions_per_traj)
+
+
+def make_text(env, max_actions_per_turn: int | None = None,
+              max_actions_per_traj: int | None = None) -> EnvText:
+    """The EnvText of an env made by `envs.make`. Budgets default to the reference's:
+    5 actions per turn and 10 per episode for the grid games, 1 and 1 for the Bandit."""
+    is_bandit = isinstance(env, bandit_lib.Bandit)
+    per_turn = max_actions_per_turn or (1 if is_bandit else 5)
+    per_traj = max_actions_per_traj or (1 if is_bandit else 10)
+    if per_turn < 1 or per_traj < 1:
+        raise ValueError(f"action budgets must be >= 1, got {per_turn} per turn, {per_traj} per episode")
+    build = _bandit_text if is_bandit else _grid_text
+    return build(env, per_turn, per_traj)
+
+
+def check_render(text: EnvText, env, state) -> None:
+    """Host check: the pieces of `state` spell `env.to_text(state)`. Raises ValueError."""
+    import numpy as np
+
+    ids = np.asarray(text.render(state))
+    got = "".join(text.pieces[i] for i in ids if i >= 0)
+    want = env.to_text(state)
+    if got != want:
+        raise ValueError(f"rendered pieces {got!r} differ from to_text {want!r}")

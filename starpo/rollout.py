@@ -1,0 +1,718 @@
+"""The StarPO multi-turn rollout on device: text in, env steps, text out, one jitted program.
+
+`make_rollout(...)` returns a jitted `rollout(params, key, seed, temperature, stream)` that plays
+`env_groups x group_size` episodes of one env variant to the end and returns a `Trajectory`
+(starpo/trajectory.py) plus a dict of per-episode metrics. Every turn (a `lax.fori_loop`):
+
+  observation piece ids -> tokens (gather) -> sampler turn (append + decode, KV cache kept)
+  -> reply bytes (per-token byte table) -> parse (the reference's regex, on device)
+  -> env steps (vmap, up to max_actions_per_turn, budget, done) -> next observation piece ids
+
+The dialogue is the reference's (REFERENCE.md §3) rendered through the model's chat template:
+system `You're a helpful assistant. `, first user message = env prefix + `\\nTurn 1:\\nState:\\n`
++ state + `\\nYou have N actions left. Always output: ...\\n`, generation primed with `<think>`
+(`<answer>` with thinking off); later user messages start `Reward:\\n{r}\\n`. The text is built
+on device from pieces tokenised once on the host (`DialogueTables`): template pieces are found by
+rendering the template with sentinel contents; grids are one piece per cell symbol. The decoded
+text equals the reference's; the token split can differ from tokenising the whole text (see
+tests/test_rollout_text.py, which measures how often).
+
+Deliberate differences from the reference:
+- rewards print as a short decimal (`-0.3`, `10.8`, `0.0`; at most 4 decimals, |r| < 10000)
+  instead of Python's float repr; a turn in which nothing ran prints `0`, as the reference does;
+- the trained tokens are the sampled tokens (no re-rendering of the parsed reply);
+- parsing is on bytes with ASCII semantics: whitespace is ` \\t\\n\\r\\v\\f` and `\\x1c-\\x1f`
+  (Python's non-ASCII whitespace such as U+00A0 is not stripped), lower-casing maps A-Z only;
+- special tokens the model writes (e.g. its end-of-turn token) are not part of the parsed text,
+  as with a server that decodes with skip_special_tokens.
+
+An episode ends when the env is done, the action budget is spent, `max_turn` turns have passed,
+or the context is full (`truncated`: the observation or the reply did not fit; never an error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from envs import text as env_text
+from starpo import sampler as sampler_lib
+from starpo.trajectory import Trajectory
+
+SYSTEM_PROMPT = "You're a helpful assistant. "
+FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
+FORMAT_ANSWER = "<answer> [your answer] </answer>"
+FORMAT_PENALTY = -0.1
+# The reference removes these strings from the answer, in this order, before splitting.
+SPECIAL_STRINGS = (b"<think>", b"</think>", b"<answer>", b"</answer>", b"<|im_start|>", b"<|im_end|>")
+WHITESPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+PAD = -1  # byte value of padding in byte strings (real bytes are 0..255)
+INT_DIGITS, FRAC_DIGITS = 4, 4  # reward text: up to 4 integer and 4 decimal digits
+TRAIN, VALIDATION = 0, 1  # seed streams
+
+
+def turn_text(k: int, actions_left: int, max_tokens: int, thinking: bool) -> tuple[str, str]:
+    """(header, footer) of turn k around the state text, as the reference writes them."""
+    fmt = FORMAT_THINK if thinking else FORMAT_ANSWER
+    footer = (f"\nYou have {actions_left} actions left. Always output: {fmt} with no extra text. "
+              f"Strictly follow this format. Max response length: {max_tokens} words (tokens).\n")
+    return f"\nTurn {k}:\nState:\n", footer
+
+
+def short_decimal(r: float) -> str:
+    """Host twin of the on-device reward text: `-0.3`, `10.8`, `0.0`."""
+    v = int(round(abs(r) * 10 ** FRAC_DIGITS))
+    ip, fp = divmod(v, 10 ** FRAC_DIGITS)
+    frac = f"{fp:0{FRAC_DIGITS}d}".rstrip("0") or "0"
+    return ("-" if r < 0 and v else "") + f"{ip}.{frac}"
+
+
+# ------------------------------------------------------------------------------ text tables
+def chat_pieces(tokenizer) -> dict:
+    """Template pieces from rendering the chat template with sentinel contents.
+
+    Returns strings: `start` (everything before the system text), `system_to_user`,
+    `user_to_assistant` (end of a user message + generation prompt), `assistant_to_user`.
+    """
+    s = [f"\x01SENTINEL{i}\x01" for i in range(4)]
+    msgs = [{"role": "system", "content": s[0]}, {"role": "user", "content": s[1]},
+            {"role": "assistant", "content": s[2]}, {"role": "user", "content": s[3]}]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    parts, rest = [], text
+    for sentinel in s:
+        head, sep, rest = rest.partition(sentinel)
+        if not sep:
+            raise ValueError("chat template does not render message contents verbatim")
+        parts.append(head)
+    start, sys_user, user_asst, asst_user = parts
+    gen = rest
+    if gen != user_asst:
+        raise ValueError(f"chat template: generation prompt {gen!r} differs from the text "
+                         f"before an assistant message {user_asst!r}")
+    return dict(start=start, system_to_user=sys_user, user_to_assistant=user_asst,
+                assistant_to_user=asst_user)
+
+
+@dataclasses.dataclass(frozen=True)
+class DialogueTables:
+    """Token tables of every piece of dialogue text, built once on the host.
+
+    tokens [P, W] int32 (pad after lengths[p]), lengths [P]; named piece ids below.
+    """
+
+    strings: tuple
+    tokens: np.ndarray
+    lengths: np.ndarray
+    ids: dict  # name -> piece id or np.ndarray of piece ids
+    env_offset: int  # env state piece i is id env_offset + i
+    close_by_eos: np.ndarray  # [len(eos_ids)] close piece to use after that EOS token
+    eos_ids: np.ndarray
+
+    def text(self, piece_ids) -> str:
+        return "".join(self.strings[i] for i in piece_ids if i >= 0)
+
+
+def build_tables(tokenizer, etext: env_text.EnvText, max_turn: int, max_tokens: int,
+                 thinking: bool = True, system: str = SYSTEM_PROMPT) -> DialogueTables:
+    """Tokenise every piece of the dialogue of one env variant."""
+    chat = chat_pieces(tokenizer)
+    strings, ids = [""], {}  # piece 0 is empty (padding)
+
+    def add(name, s):
+        ids[name] = len(strings)
+        strings.append(s)
+        return ids[name]
+
+    add("start", chat["start"] + system + chat["system_to_user"])
+    add("prefix", etext.prefix)
+    add("gen", chat["user_to_assistant"] + ("<think>" if thinking else "<answer>"))
+    add("close", chat["assistant_to_user"])
+    add("reward", "Reward:\n")
+    budget = etext.max_actions_per_traj
+    ids["header1"] = np.array([0] + [add(f"h1_{k}", turn_text(k, 0, max_tokens, thinking)[0])
+                                     for k in range(1, max_turn + 1)])
+    ids["header2"] = np.array([0] + [add(f"h2_{k}", "\n" + turn_text(k, 0, max_tokens, thinking)[0])
+                                     for k in range(1, max_turn + 1)])
+    ids["left"] = np.array([add(f"left_{n}", turn_text(1, n, max_tokens, thinking)[1])
+                            for n in range(budget + 1)])
+    ids["digit"] = np.array([add(f"d{d}", str(d)) for d in range(10)])
+    add("minus", "-")
+    add("point", ".")
+    eos = list(tokenizer.eos_ids)
+    close_by_eos = []
+    for e in eos:
+        eos_text = tokenizer.decode([e])
+        full = chat["assistant_to_user"]
+        if eos_text and full.startswith(eos_text):
+            close_by_eos.append(add(f"close_after_{e}", full[len(eos_text):]))
+        else:
+            close_by_eos.append(ids["close"])
+    env_offset = len(strings)
+    strings.extend(etext.pieces)
+
+    toks = [tokenizer.encode(s) if s else [] for s in strings]
+    width = max(1, max(len(t) for t in toks))
+    table = np.zeros((len(toks), width), np.int32)
+    for i, t in enumerate(toks):
+        table[i, :len(t)] = t
+    return DialogueTables(tuple(strings), table, np.array([len(t) for t in toks], np.int32), ids,
+                          env_offset, np.array(close_by_eos, np.int32), np.array(eos, np.int32))
+
+
+def assemble(tables: DialogueTables, piece_ids, width: int):
+    """Gather-and-concatenate: piece_ids [B,K] (-1 or 0 = nothing) -> (chunk [B,width] int32,
+    valid [B,width] bool), tokens left-aligned. Pieces beyond `width` are cut (callers size
+    `width` from the longest possible observation, so this does not happen)."""
+    lengths = jnp.asarray(tables.lengths)[jnp.maximum(piece_ids, 0)]  # [B,K]
+    lengths = jnp.where(piece_ids > 0, lengths, 0)
+    ends = jnp.cumsum(lengths, axis=1)  # [B,K]
+    col = jnp.arange(width)
+    slot = jnp.sum(col[None, :, None] >= ends[:, None, :], axis=2)  # [B,C] which piece
+    slot_c = jnp.minimum(slot, piece_ids.shape[1] - 1)
+    start = jnp.take_along_axis(ends - lengths, slot_c, axis=1)
+    piece = jnp.take_along_axis(piece_ids, slot_c, axis=1)
+    tok = jnp.asarray(tables.tokens)[jnp.maximum(piece, 0), jnp.clip(col[None] - start, 0,
+                                                                       tables.tokens.shape[1] - 1)]
+    valid = col[None, :] < ends[:, -1:]
+    return jnp.where(valid, tok, 0).astype(jnp.int32), valid
+
+
+def reward_pieces(tables: DialogueTables, reward, ran):
+    """Piece ids [B, 2+INT+FRAC] of the reward text: short decimal, or `0` if nothing ran."""
+    scale = 10 ** FRAC_DIGITS
+    v = jnp.round(jnp.abs(reward) * scale).astype(jnp.int32)
+    v = jnp.minimum(v, 10 ** (INT_DIGITS + FRAC_DIGITS) - 1)
+    ip, fp = v // scale, v % scale
+    digits = jnp.asarray(tables.ids["digit"])
+    int_d = jnp.stack([(ip // 10 ** i) % 10 for i in range(INT_DIGITS - 1, -1, -1)], 1)  # [B,4]
+    int_keep = (jnp.arange(INT_DIGITS)[None] == INT_DIGITS - 1) | (
+        ip[:, None] >= 10 ** jnp.arange(INT_DIGITS - 1, -1, -1)[None])
+    frac_d = jnp.stack([(fp // 10 ** i) % 10 for i in range(FRAC_DIGITS - 1, -1, -1)], 1)
+    # keep a fraction digit if it or anything after it is non-zero
+    frac_keep = (jnp.arange(FRAC_DIGITS)[None] == 0) | (
+        jnp.cumsum((frac_d > 0)[:, ::-1], axis=1)[:, ::-1] > 0)
+    sign = jnp.where((reward < 0) & (v > 0), tables.ids["minus"], 0)
+    pieces = jnp.concatenate([
+        sign[:, None], jnp.where(int_keep, digits[int_d], 0),
+        jnp.full((reward.shape[0], 1), tables.ids["point"]), jnp.where(frac_keep, digits[frac_d], 0)],
+        axis=1)
+    zero = jnp.zeros_like(pieces).at[:, 0].set(digits[0])
+    return jnp.where(ran[:, None], pieces, zero).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------ parsing
+def parse_byte_table(tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token bytes for parsing: special tokens count as no text (skip_special_tokens)."""
+    tb = list(tokenizer.token_bytes())
+    for i in tokenizer.hf.all_special_ids:
+        if 0 <= i < len(tb):
+            tb[i] = b""
+    return sampler_lib.byte_table(tb)
+
+
+def reply_bytes(tokens, length, table, lengths, prime: bytes):
+    """The parse text `prime + reply` as bytes [B, len(prime) + N*W] int32 (PAD after).
+
+    tokens [B,N] int32, length [B]; table [V,W] uint8 right-aligned, lengths [V]."""
+    B, N = tokens.shape
+    W = table.shape[1]
+    P = len(prime)
+    L = P + N * W
+    n = jnp.where(jnp.arange(N)[None] < length[:, None], lengths[tokens], 0)  # [B,N]
+    start = P + jnp.cumsum(n, axis=1) - n
+    byt = table[tokens].astype(jnp.int32)  # [B,N,W]
+    w = jnp.arange(W)[None, None, :]
+    keep = w >= W - n[..., None]
+    dest = jnp.where(keep, start[..., None] + w - (W - n[..., None]), L)
+    out = jnp.full((B, L), PAD, jnp.int32)
+    if P:
+        out = out.at[:, :P].set(jnp.asarray(np.frombuffer(prime, np.uint8), jnp.int32)[None])
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], dest.shape)
+    return out.at[rows, dest].set(byt, mode="drop")
+
+
+def _match(x, pat: bytes):
+    """bool[B,L]: `pat` starts at each position of x [B,L]."""
+    L = x.shape[1]
+    xp = jnp.pad(x, ((0, 0), (0, len(pat))), constant_values=PAD)
+    out = jnp.ones(x.shape, bool)
+    for i, c in enumerate(pat):
+        out &= xp[:, i:i + L] == c
+    return out
+
+
+def _first(mask, default):
+    return jnp.where(mask.any(axis=1), jnp.argmax(mask, axis=1), default).astype(jnp.int32)
+
+
+def _at(x, idx, fill):
+    L = x.shape[1]
+    v = jnp.take_along_axis(x, jnp.clip(idx, 0, L - 1)[:, None], axis=1)[:, 0]
+    return jnp.where((idx >= 0) & (idx < L), v, fill)
+
+
+def _isspace(x):
+    out = jnp.zeros(x.shape, bool)
+    for c in WHITESPACE:
+        out |= x == c
+    return out
+
+
+def _compact(x, keep):
+    """Move the kept entries of x [B,L] to the front (order kept), PAD after."""
+    B, L = x.shape
+    dest = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, L)
+    return jnp.full((B, L), PAD, x.dtype).at[jnp.arange(B)[:, None], dest].set(x, mode="drop")
+
+
+def parse_bytes(x, names: tuple, max_actions: int, thinking: bool = True):
+    """The reference's answer parser on byte strings x [B,L] int32 (PAD-padded).
+
+    First match of `<think>(.*?)</think>\\s*<answer>(.*?)</answer>` (DOTALL; without thinking
+    `<answer>(.*?)</answer>`), special strings removed from the answer, split on `||`, pieces
+    stripped, empties dropped, the first `max_actions` kept.
+    Returns (name index [B,max_actions] int32: index into `names` matched case-insensitively,
+    -1 for an invalid action or an empty slot; count [B] int32 of parsed actions).
+    """
+    B, L = x.shape
+    pos = jnp.arange(L)[None]
+    aopen, aclose = _match(x, b"<answer>"), _match(x, b"</answer>")
+    last_close = jnp.max(jnp.where(aclose, pos, -1), axis=1)
+    if thinking:
+        i0 = _first(_match(x, b"<think>"), L)
+        tclose = _match(x, b"</think>") & (pos >= i0[:, None] + 7)
+        nonspace = jnp.where(_isspace(x), L, pos)
+        ws_next = jax.lax.cummin(nonspace, axis=1, reverse=True)  # first non-space at >= p
+        k_of = jnp.pad(ws_next[:, 8:], ((0, 0), (0, 8)), constant_values=L)  # after </think>\s*
+        opens = jnp.take_along_axis(aopen, jnp.minimum(k_of, L - 1), axis=1) & (k_of < L)
+        cand = tclose & opens & (last_close[:, None] >= k_of + 8)
+        j = _first(cand, L)
+        k = _at(k_of, j, L)
+    else:
+        cand = aopen & (last_close[:, None] >= pos + 8)
+        k = _first(cand, L)
+    matched = cand.any(axis=1)
+    begin = k + 8
+    end = _first(aclose & (pos >= begin[:, None]), L)
+    span = jnp.where(matched, end - begin, 0)
+    c = jnp.take_along_axis(x, jnp.clip(begin[:, None] + pos, 0, L - 1), axis=1)
+    c = jnp.where(pos < span[:, None], c, PAD)  # the answer, left-aligned
+
+    for s in SPECIAL_STRINGS:  # str.replace(s, "") in the reference's order
+        hit = _match(c, s)
+        covered = jnp.zeros_like(hit)
+        for i in range(len(s)):
+            covered |= jnp.pad(hit, ((0, 0), (i, 0)))[:, :L]
+        c = _compact(c, (c != PAD) & ~covered)
+
+    pipe = c == ord("|")
+    run_start = jax.lax.cummax(jnp.where(pipe, 0, pos + 1), axis=1)
+    pipe_next = jnp.pad(pipe[:, 1:], ((0, 0), (0, 1)))
+    sep = pipe & pipe_next & ((pos - run_start) % 2 == 0)  # non-overlapping "||" from the left
+    sep_byte = sep | jnp.pad(sep[:, :-1], ((0, 0), (1, 0)))
+    core = (c != PAD) & ~_isspace(c) & ~sep_byte
+    piece = jnp.cumsum(sep, axis=1)  # piece index of non-separator bytes
+    rows = jnp.arange(B)[:, None]
+    first = jnp.full((B, L + 1), L, jnp.int32).at[rows, piece].min(jnp.where(core, pos, L))
+    last = jnp.full((B, L + 1), -1, jnp.int32).at[rows, piece].max(jnp.where(core, pos, -1))
+    nonempty = first < L
+    rank = jnp.cumsum(nonempty, axis=1) - 1
+    count = jnp.minimum(jnp.sum(nonempty, axis=1), max_actions).astype(jnp.int32)
+
+    lower = jnp.where((c >= ord("A")) & (c <= ord("Z")), c + 32, c)
+    hits = [_match(lower, n.lower().encode("utf-8")) for n in names]
+    out = []
+    for r in range(max_actions):
+        q = _first(nonempty & (rank == r), -1)
+        f = _at(first, q, L)
+        e = _at(last, q, -1)
+        idx = jnp.full((B,), -1, jnp.int32)
+        for a, n in enumerate(names):
+            ok = (q >= 0) & _at(hits[a], f, False) & (e - f + 1 == len(n.encode("utf-8")))
+            idx = jnp.where(ok & (idx < 0), a, idx)
+        out.append(idx)
+    return jnp.stack(out, axis=1), count
+
+
+# ------------------------------------------------------------------------------ scripted policy
+@struct.dataclass
+class ScriptState:
+    """A policy-free stand-in for SamplerState: replies are given, not sampled."""
+
+    tokens: jax.Array  # [B,S]
+    logprobs: jax.Array  # [B,S]
+    generated: jax.Array  # [B,S]
+    end: jax.Array  # [B]
+
+
+def script_turn(state: ScriptState, chunk, chunk_valid, active, reply, reply_len, reply_stop):
+    """Append chunk then the given reply (teacher forcing), with the sampler's fit rules.
+
+    reply [B,N] int32, reply_len [B], reply_stop [B] (the stop reason to report when it fits).
+    Returns (state, Turn)."""
+    B, S = state.tokens.shape
+    C, N = chunk.shape[1], reply.shape[1]
+    rows = jnp.arange(B)[:, None]
+    span = jnp.max(jnp.where(chunk_valid, jnp.arange(C)[None] + 1, 0), axis=1)
+    fits = state.end + span <= S
+    live = active & fits & (span > 0) & (state.end + span < S)
+    write = chunk_valid & (active & fits)[:, None]
+    slots = jnp.where(write, state.end[:, None] + jnp.arange(C)[None], S)
+    tokens = state.tokens.at[rows, slots].set(chunk, mode="drop")
+    end = jnp.where(active & fits, state.end + span, state.end)
+    n = jnp.where(live, jnp.minimum(reply_len, S - end), 0)
+    rslots = jnp.where(jnp.arange(N)[None] < n[:, None], end[:, None] + jnp.arange(N)[None], S)
+    tokens = tokens.at[rows, rslots].set(reply, mode="drop")
+    generated = state.generated.at[rows, rslots].set(True, mode="drop")
+    reason = jnp.where(live, jnp.where(n < reply_len, sampler_lib.CONTEXT_FULL, reply_stop),
+                       jnp.where(active, sampler_lib.CONTEXT_FULL, sampler_lib.NOT_RUN))
+    out = jnp.where(jnp.arange(N)[None] < n[:, None], reply, 0)
+    turn = sampler_lib.Turn(out, jnp.zeros(out.shape, jnp.float32), n.astype(jnp.int32),
+                            reason.astype(jnp.int32))
+    return ScriptState(tokens, state.logprobs, generated, end + n), turn
+
+
+def script_replies(tokenizer, replies: list[list[str]], max_turn: int, max_new_tokens: int,
+                   stop: str = "</answer>"):
+    """Host: reply texts [B][<=max_turn] -> (ids [B,M,N], len [B,M], stop [B,M]) numpy arrays.
+
+    A reply is cut after its first `stop` (stop reason STOP_STRING), else it ends on the
+    budget (BUDGET); at most `max_new_tokens` tokens are kept, like the sampler."""
+    B = len(replies)
+    ids = np.zeros((B, max_turn, max_new_tokens), np.int32)
+    lens = np.zeros((B, max_turn), np.int32)
+    stops = np.full((B, max_turn), sampler_lib.BUDGET, np.int32)
+    for b, rs in enumerate(replies):
+        if len(rs) > max_turn:
+            raise ValueError(f"{len(rs)} replies for at most {max_turn} turns")
+        for k, r in enumerate(rs):
+            cut = r.find(stop) if stop else -1
+            if cut >= 0:
+                r = r[:cut + len(stop)]
+                stops[b, k] = sampler_lib.STOP_STRING
+            t = tokenizer.encode(r)[:max_new_tokens]
+            if not t:
+                raise ValueError("a scripted reply must have at least one token")
+            ids[b, k, :len(t)] = t
+            lens[b, k] = len(t)
+    return ids, lens, stops
+
+
+# ------------------------------------------------------------------------------ the episode loop
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """Static settings of a rollout (hashable)."""
+
+    env: object
+    max_turn: int
+    max_context: int
+    max_new_tokens: int
+    thinking: bool
+    tag: int
+
+
+def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, policy_turn,
+              pstate, env_state, group_id, key):
+    """Play a batch of episodes from env_state [B] with `policy_turn(pstate, chunk, valid,
+    key, active, k) -> (pstate, Turn)`; pstate has tokens/logprobs/generated and `end`."""
+    env, M = spec.env, spec.max_turn
+    B = group_id.shape[0]
+    R, budget = etext.max_actions_per_turn, etext.max_actions_per_traj
+    names = etext.action_names
+    prime = b"<think>" if spec.thinking else b"<answer>"
+    table, tlens = (jnp.asarray(a) for a in parse_table)
+    ids = tables.ids
+    render = jax.vmap(etext.render)
+
+    def state_pieces(s):
+        r = render(s)
+        return jnp.where(r >= 0, r + tables.env_offset, 0).astype(jnp.int32)
+
+    def full(v):
+        return jnp.full((B, 1), v, jnp.int32)
+
+    first_ids = jnp.concatenate([
+        full(ids["start"]), full(ids["prefix"]), full(ids["header1"][1]), state_pieces(env_state),
+        full(ids["left"][budget]), full(ids["gen"])], axis=1)
+    W = int(tables.lengths.max())
+    maxlen = tables.lengths
+    C0 = int(maxlen[[ids["start"], ids["prefix"], ids["header1"][1], ids["gen"]]].sum()
+             + maxlen[ids["left"]].max() + etext.width * maxlen[tables.env_offset:].max())
+    close_ids = np.concatenate([[ids["close"]], tables.close_by_eos])
+    C1 = int(maxlen[close_ids].max() + maxlen[ids["reward"]] + (2 + INT_DIGITS + FRAC_DIGITS)
+             * maxlen[np.concatenate([ids["digit"], [ids["minus"], ids["point"]]])].max()
+             + maxlen[ids["header2"][1:]].max() + etext.width * maxlen[tables.env_offset:].max()
+             + maxlen[ids["left"]].max() + maxlen[ids["gen"]])
+    del W
+
+    zeros_f = jnp.zeros((B, M), jnp.float32)
+    zeros_i = jnp.zeros((B, M), jnp.int32)
+    carry0 = dict(
+        pstate=pstate, env=env_state, alive=jnp.ones((B,), bool), num_actions=jnp.zeros((B,), jnp.int32),
+        success=jnp.zeros((B,), bool), penalty=jnp.zeros((B,), jnp.float32),
+        truncated=jnp.zeros((B,), bool), turn_start=jnp.full((B, M), -1, jnp.int32),
+        turn_end=jnp.full((B, M), -1, jnp.int32), turn_reward=zeros_f, ran=zeros_i,
+        effective_last=zeros_i, n_parsed=zeros_i, n_valid=zeros_i, n_effective=zeros_i,
+        last_token=jnp.zeros((B,), jnp.int32), last_reason=jnp.zeros((B,), jnp.int32),
+        turn=None, end_before=jnp.zeros((B,), jnp.int32))
+
+    def policy_step(c, k, chunk, valid, key):
+        """Turn k's observation + reply (rows not alive are untouched; skipped if none is)."""
+        def go(c):
+            pstate, turn = policy_turn(c["pstate"], chunk, valid, key, c["alive"], k)
+            return pstate, turn
+        def skip(c):
+            N = spec.max_new_tokens
+            return c["pstate"], sampler_lib.Turn(jnp.zeros((B, N), jnp.int32),
+                                                 jnp.zeros((B, N), jnp.float32),
+                                                 jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
+        end_before = c["pstate"].end
+        pstate, turn = jax.lax.cond(jnp.any(c["alive"]), go, skip, c)
+        return {**c, "pstate": pstate, "turn": turn, "end_before": end_before}
+
+    def process(c, k, key):
+        """Parse turn k's reply, run its actions, update the bookkeeping."""
+        turn, pstate, end_before = c["turn"], c["pstate"], c["end_before"]
+        happened = c["alive"] & (turn.length > 0)
+        full_ctx = c["alive"] & (turn.stop_reason == sampler_lib.CONTEXT_FULL)
+
+        x = reply_bytes(turn.tokens, turn.length, table, tlens, prime)
+        name_idx, n_parsed = parse_bytes(x, names, R, spec.thinking)
+        n_parsed = jnp.where(happened, n_parsed, 0)
+        is_valid = (name_idx >= 0) & happened[:, None]
+        n_valid = jnp.sum(is_valid, axis=1).astype(jnp.int32)
+        order = jnp.argsort(~is_valid, axis=1, stable=True)
+        valid_idx = jnp.take_along_axis(name_idx, order, axis=1)  # valid ones first
+        budget_left = budget - c["num_actions"]
+        keys = jax.random.split(key, (R, B))
+
+        def act(s, a):
+            st, reward, done, executed, eff, succ, n_eff = a
+            run = happened & (s < n_valid) & (s < budget_left) & ~done
+            action = jax.vmap(env.name_to_action)(st, valid_idx[:, s])
+            new, r, d, info = jax.vmap(env.step)(keys[s], st, action)
+            st = jax.tree_util.tree_map(
+                lambda n, o: jnp.where(run.reshape(run.shape + (1,) * (n.ndim - 1)), n, o), new, st)
+            return (st, reward + jnp.where(run, r, 0.0), done | (run & d), executed + run,
+                    jnp.where(run, info["action_is_effective"], eff),
+                    succ | (run & info["success"]),
+                    n_eff + (run & info["action_is_effective"]))
+
+        init = (c["env"], jnp.zeros((B,), jnp.float32), jnp.zeros((B,), bool),
+                jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), c["success"],
+                jnp.zeros((B,), jnp.int32))
+        env_state, reward, done, executed, eff_last, success, n_eff = jax.lax.fori_loop(
+            0, R, act, init)
+        num_actions = c["num_actions"] + executed
+        bad = happened & ((n_valid != n_parsed) | (n_valid == 0))
+        ended = c["alive"] & (done | (num_actions >= budget) | (k + 1 >= M) | full_ctx | ~happened)
+
+        def put(a, v):
+            return a.at[:, k].set(v)
+
+        return dict(
+            pstate=pstate, env=env_state, alive=c["alive"] & ~ended, num_actions=num_actions,
+            success=success, penalty=c["penalty"] + jnp.where(bad, FORMAT_PENALTY, 0.0),
+            truncated=c["truncated"] | full_ctx,
+            turn_start=put(c["turn_start"], jnp.where(happened, end_before, -1)),
+            turn_end=put(c["turn_end"], jnp.where(happened, pstate.end - 1, -1)),
+            turn_reward=put(c["turn_reward"], jnp.where(happened, reward, 0.0)),
+            ran=put(c["ran"], (executed > 0).astype(jnp.int32)),
+            effective_last=put(c["effective_last"], eff_last.astype(jnp.int32)),
+            n_parsed=put(c["n_parsed"], n_parsed), n_valid=put(c["n_valid"], n_valid),
+            n_effective=put(c["n_effective"], n_eff),
+            last_token=jnp.take_along_axis(turn.tokens, jnp.maximum(turn.length - 1, 0)[:, None],
+                                           axis=1)[:, 0],
+            last_reason=turn.stop_reason, turn=turn, end_before=end_before,
+            reward=reward, any_ran=executed > 0)
+
+    def next_ids(c, k):
+        """Piece ids of the observation before turn k (k >= 1)."""
+        is_eos = c["last_reason"] == sampler_lib.EOS
+        close = jnp.full((B,), ids["close"], jnp.int32)
+        for e, p in zip(tables.eos_ids, tables.close_by_eos):
+            close = jnp.where(is_eos & (c["last_token"] == e), p, close)
+        left = jnp.asarray(ids["left"])[jnp.clip(budget - c["num_actions"], 0, budget)]
+        header = jnp.asarray(ids["header2"])[jnp.minimum(k + 1, M)]
+        return jnp.concatenate([
+            close[:, None], full(ids["reward"]), reward_pieces(tables, c["reward"], c["any_ran"]),
+            jnp.broadcast_to(header, (B, 1)).astype(jnp.int32),
+            state_pieces(c["env"]), left[:, None], full(ids["gen"])], axis=1)
+
+    # Turn 0's observation is long (the instruction): its own chunk width. Then each iteration
+    # processes turn k-1 and shows turn k, so parsing and env steps are traced once.
+    key0, key = jax.random.split(key)
+    chunk, valid = assemble(tables, first_ids, C0)
+    c = policy_step({**carry0, "reward": jnp.zeros((B,), jnp.float32),
+                     "any_ran": jnp.zeros((B,), bool)}, 0, chunk, valid, key0)
+
+    def body(k, loop):
+        c, key = loop
+        key, k_env, k_pol = jax.random.split(key, 3)
+        c = process(c, k - 1, k_env)
+        chunk, valid = assemble(tables, next_ids(c, k), C1)
+        c = policy_step(c, jnp.minimum(k, M - 1), chunk, valid, k_pol)
+        return c, key
+
+    c, _ = jax.lax.fori_loop(1, M + 1, body, (c, key))
+
+    ps = c["pstate"]
+    T = ps.tokens.shape[1]
+    length = ps.end
+    posn = jnp.arange(T)[None]
+    valid_tok = posn < length[:, None]
+    started = (c["turn_start"] >= 0) & (c["turn_start"][:, :1] >= 0)
+    starts = jnp.where(started, c["turn_start"], T + 1)
+    turn_index = jnp.sum(posn[:, :, None] >= starts[:, None, :], axis=2) - 1
+    turn_index = jnp.where(valid_tok, jnp.maximum(turn_index, 0), -1).astype(jnp.int32)
+    loss_mask = ps.generated & valid_tok
+    traj = Trajectory(
+        tokens=jnp.where(valid_tok, ps.tokens, 0), loss_mask=loss_mask, turn_index=turn_index,
+        sample_logprobs=jnp.where(loss_mask, ps.logprobs, 0.0), turn_end=c["turn_end"],
+        turn_reward=c["turn_reward"], penalty=c["penalty"], success=c["success"],
+        num_actions=c["num_actions"], group_id=group_id.astype(jnp.int32),
+        tag=jnp.full((B,), spec.tag, jnp.int32), length=length.astype(jnp.int32))
+    turns = jnp.sum(c["turn_end"] >= 0, axis=1)
+    per_turn = jnp.maximum(turns, 1).astype(jnp.float32)
+    metrics = {
+        # the reference's per-episode metrics: per turn, the last executed action's info,
+        # averaged over the episode's turns (a turn where nothing ran counts 0)
+        "action_is_valid": jnp.sum(c["ran"], axis=1) / per_turn,
+        "action_is_effective": jnp.sum(c["effective_last"] * c["ran"], axis=1) / per_turn,
+        "num_turns": turns.astype(jnp.int32),
+        "num_parsed_actions": jnp.sum(c["n_parsed"], axis=1),
+        "num_valid_actions": jnp.sum(c["n_valid"], axis=1),
+        "num_effective_actions": jnp.sum(c["n_effective"], axis=1),
+        "format_errors": jnp.sum((c["turn_end"] >= 0) & ((c["n_valid"] != c["n_parsed"])
+                                                         | (c["n_valid"] == 0)), axis=1),
+        "truncated": c["truncated"],
+        "context_used": length.astype(jnp.int32),
+        "response_length": jnp.sum(loss_mask, axis=1).astype(jnp.int32),
+    }
+    return traj, metrics, c["env"]
+
+
+def _initial_states(env, key, seed, stream, env_groups, group_size):
+    """One reset per group (key from stream and seed + group index), repeated group_size times."""
+    group_seed = jnp.asarray(seed, jnp.int32) + jnp.arange(env_groups, dtype=jnp.int32)
+    base = jax.random.fold_in(key, stream)
+    keys = jax.vmap(lambda s: jax.random.fold_in(base, s))(group_seed)
+    states = jax.vmap(env.reset)(keys)
+    rep = lambda x: jnp.repeat(x, group_size, axis=0)  # noqa: E731
+    return jax.tree_util.tree_map(rep, states), rep(group_seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """What `make_rollout` builds: the jitted `run` and the host-side tables it closes over."""
+
+    run: Callable
+    spec: RolloutSpec
+    text: env_text.EnvText
+    tables: DialogueTables
+    sampler: sampler_lib.Sampler
+
+
+def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
+                 max_turn: int = 5, max_new_tokens: int = 100, max_context: int = 2048,
+                 thinking: bool = True, top_k: int = 0, top_p: float = 1.0,
+                 max_actions_per_turn: int | None = None, max_actions_per_traj: int | None = None,
+                 tag: int = 0, cache_dtype=None) -> Rollout:
+    """A jitted full rollout of `env_groups x group_size` episodes of `env`.
+
+    `Rollout.run(params, key, seed, temperature, stream)` -> (Trajectory, metrics):
+      key: PRNG key of the sampler and env steps; the reset keys come from a fixed base
+      (`jax.random.key(0)`) folded with `stream` (TRAIN=0, VALIDATION=1: disjoint levels) and
+      `seed + g` for group g, so pass a counter (e.g. iteration * env_groups) for new levels;
+      temperature: traced f32 (0 = greedy).
+    metrics: dict of per-episode arrays [B]: action_is_valid, action_is_effective (the
+    reference's per-turn averages), num_turns, num_parsed_actions, num_valid_actions,
+    num_effective_actions, format_errors, truncated, context_used, response_length.
+    Trajectory length T = max_context.
+    """
+    etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
+    tables = build_tables(tokenizer, etext, max_turn, max_new_tokens, thinking)
+    smp = sampler_lib.make_sampler(model_cfg, tokenizer, max_new_tokens,
+                                   stop=("</answer>",), top_k=top_k, top_p=top_p)
+    stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(tokenizer.token_bytes()))
+    parse_table = parse_byte_table(tokenizer)
+    spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
+    B = env_groups * group_size
+
+    def run(params, key, seed, temperature, stream=TRAIN):
+        env_state, group_id = _initial_states(env, jax.random.key(0), seed, stream, env_groups,
+                                              group_size)
+        pstate = sampler_lib.init_state(model_cfg, B, max_context, cache_dtype)
+
+        def policy_turn(ps, chunk, valid, k, active, turn_k):
+            del turn_k
+            st, turn = sampler_lib.run_turn(smp, params, ps.inner, chunk, valid, k,
+                                            jnp.float32(temperature), active, stop_table)
+            return _SamplerView(st), turn
+
+        traj, metrics, _ = _episodes(spec, etext, tables, parse_table, policy_turn,
+                                     _SamplerView(pstate), env_state, group_id, key)
+        return traj, metrics
+
+    return Rollout(jax.jit(run), spec, etext, tables, smp)
+
+
+@struct.dataclass
+class _SamplerView:
+    """SamplerState with the `end` the episode loop reads."""
+
+    inner: sampler_lib.SamplerState
+
+    @property
+    def end(self):
+        return self.inner.cache.end
+
+    @property
+    def tokens(self):
+        return self.inner.tokens
+
+    @property
+    def logprobs(self):
+        return self.inner.logprobs
+
+    @property
+    def generated(self):
+        return self.inner.generated
+
+
+def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: int = 100,
+                          max_context: int = 2048, thinking: bool = True,
+                          max_actions_per_turn: int | None = None,
+                          max_actions_per_traj: int | None = None, tag: int = 0):
+    """The same episode loop with given replies instead of a model (tests, launch/play.py).
+
+    Returns (play, tables) where jitted `play(env_state [B], reply_ids [B,M,N], reply_len [B,M],
+    reply_stop [B,M], key)` -> (Trajectory, metrics, final env state); build the reply arrays
+    with `script_replies`. group_id is the row index.
+    """
+    etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
+    tables = build_tables(tokenizer, etext, max_turn, max_new_tokens, thinking)
+    parse_table = parse_byte_table(tokenizer)
+    spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
+
+    def play(env_state, reply_ids, reply_len, reply_stop, key):
+        B = reply_ids.shape[0]
+        ps = ScriptState(jnp.zeros((B, max_context), jnp.int32),
+                         jnp.zeros((B, max_context), jnp.float32),
+                         jnp.zeros((B, max_context), bool), jnp.zeros((B,), jnp.int32))
+
+        def policy_turn(ps, chunk, valid, k, active, turn_k):
+            del k
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, turn_k, axis=1, keepdims=False)  # noqa: E731
+            return script_turn(ps, chunk, valid, active, take(reply_ids), take(reply_len),
+                               take(reply_stop))
+
+        return _episodes(spec, etext, tables, parse_table, policy_turn, ps, env_state,
+                         jnp.arange(B, dtype=jnp.int32), key)
+
+    return jax.jit(play), tables
