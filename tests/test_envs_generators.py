@@ -33,7 +33,7 @@ def _level(states, i):
 def test_frozen_lake_maps_match_reference_statistics():
     ref = STATS["frozen_lake"]["size4_p0.8"]
     c = compiled(envs.make("FrozenLake"))
-    paths, holes, adjacent = [], [], []
+    paths, holes = [], []
     for seed in range(4):
         states = c.reset_seed(300 + seed)
         path = np.asarray(c.vmapped("shortest_path")(states))

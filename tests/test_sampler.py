@@ -8,7 +8,6 @@ import pytest
 from starpo import model as M
 from starpo import sampler as S
 from starpo import weights
-from starpo.tokenizer import Tokenizer
 from tests.conftest import LLAMA_LIKE, hf_config_json, random_hf_tensors
 
 EOS, PAD, CTX = 5, 0, 24
