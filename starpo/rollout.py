@@ -236,14 +236,29 @@ def reply_bytes(tokens, length, table, lengths, prime: bytes):
     return out.at[rows, dest].set(byt, mode="drop")
 
 
-def _match(x, pat: bytes):
-    """bool[B,L]: `pat` starts at each position of x [B,L]."""
+def _windows(x, width: int):
+    """[B,L,width]: x[b, p + i] at [b, p, i] (PAD beyond the end)."""
     L = x.shape[1]
-    xp = jnp.pad(x, ((0, 0), (0, len(pat))), constant_values=PAD)
-    out = jnp.ones(x.shape, bool)
-    for i, c in enumerate(pat):
-        out &= xp[:, i:i + L] == c
-    return out
+    xp = jnp.pad(x, ((0, 0), (0, width)), constant_values=PAD)
+    return jnp.stack([xp[:, i:i + L] for i in range(width)], axis=2)
+
+
+def _pattern_table(patterns) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes [n, W] int32 padded with PAD, lengths [n]) of byte strings."""
+    width = max(len(p) for p in patterns)
+    table = np.full((len(patterns), width), PAD, np.int32)
+    for i, p in enumerate(patterns):
+        table[i, :len(p)] = np.frombuffer(p, np.uint8)
+    return table, np.array([len(p) for p in patterns], np.int32)
+
+
+def _matches(x, patterns):
+    """bool[B,L,n]: pattern i starts at each position of x [B,L] (patterns: byte strings)."""
+    table, lengths = _pattern_table(patterns)
+    win = _windows(x, table.shape[1])  # [B,L,W]
+    used = np.arange(table.shape[1])[None, :] < lengths[:, None]  # [n,W]
+    eq = (win[:, :, None, :] == table[None, None]) | ~used[None, None]
+    return jnp.all(eq, axis=3)
 
 
 def _first(mask, default):
@@ -257,10 +272,8 @@ def _at(x, idx, fill):
 
 
 def _isspace(x):
-    out = jnp.zeros(x.shape, bool)
-    for c in WHITESPACE:
-        out |= x == c
-    return out
+    return jnp.any(x[..., None] == jnp.asarray(np.frombuffer(WHITESPACE, np.uint8), jnp.int32),
+                   axis=-1)
 
 
 def _compact(x, keep):
@@ -268,6 +281,25 @@ def _compact(x, keep):
     B, L = x.shape
     dest = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, L)
     return jnp.full((B, L), PAD, x.dtype).at[jnp.arange(B)[:, None], dest].set(x, mode="drop")
+
+
+def _remove_specials(c):
+    """`for s in SPECIAL_STRINGS: c = c.replace(s, "")` on byte strings c [B,L] (one traced
+    pass in a loop). Each special string starts with `<`, ends with `>` and holds no other `<`
+    or `>`, so its occurrences never overlap: removing all of them is str.replace."""
+    table, lengths = _pattern_table(SPECIAL_STRINGS)
+    W = table.shape[1]
+    L = c.shape[1]
+
+    def one(i, c):
+        pat, n = jnp.asarray(table)[i], jnp.asarray(lengths)[i]
+        used = jnp.arange(W) < n
+        hit = jnp.all((_windows(c, W) == pat) | ~used, axis=2)  # [B,L]
+        shifted = jnp.stack([jnp.pad(hit, ((0, 0), (j, 0)))[:, :L] for j in range(W)], axis=2)
+        covered = jnp.any(shifted & used, axis=2)
+        return _compact(c, (c != PAD) & ~covered)
+
+    return jax.lax.fori_loop(0, len(SPECIAL_STRINGS), one, c)
 
 
 def parse_bytes(x, names: tuple, max_actions: int, thinking: bool = True):
@@ -281,34 +313,31 @@ def parse_bytes(x, names: tuple, max_actions: int, thinking: bool = True):
     """
     B, L = x.shape
     pos = jnp.arange(L)[None]
-    aopen, aclose = _match(x, b"<answer>"), _match(x, b"</answer>")
+    tags = _matches(x, (b"<answer>", b"</answer>", b"<think>", b"</think>"))
+    aopen, aclose = tags[..., 0], tags[..., 1]
     last_close = jnp.max(jnp.where(aclose, pos, -1), axis=1)
     if thinking:
-        i0 = _first(_match(x, b"<think>"), L)
-        tclose = _match(x, b"</think>") & (pos >= i0[:, None] + 7)
+        # Leftmost start: if any <think> can start a match, the first one can (a later
+        # </think> is also after it), so the match starts at the first <think>. Lazy group 1:
+        # the first </think> after it followed by \s*<answer> and, later, some </answer>.
+        i0 = _first(tags[..., 2], L)
+        tclose = tags[..., 3] & (pos >= i0[:, None] + 7)
         nonspace = jnp.where(_isspace(x), L, pos)
         ws_next = jax.lax.cummin(nonspace, axis=1, reverse=True)  # first non-space at >= p
         k_of = jnp.pad(ws_next[:, 8:], ((0, 0), (0, 8)), constant_values=L)  # after </think>\s*
         opens = jnp.take_along_axis(aopen, jnp.minimum(k_of, L - 1), axis=1) & (k_of < L)
         cand = tclose & opens & (last_close[:, None] >= k_of + 8)
-        j = _first(cand, L)
-        k = _at(k_of, j, L)
+        k = _at(k_of, _first(cand, L), L)
     else:
         cand = aopen & (last_close[:, None] >= pos + 8)
         k = _first(cand, L)
     matched = cand.any(axis=1)
     begin = k + 8
-    end = _first(aclose & (pos >= begin[:, None]), L)
+    end = _first(aclose & (pos >= begin[:, None]), L)  # lazy group 2: the first </answer>
     span = jnp.where(matched, end - begin, 0)
     c = jnp.take_along_axis(x, jnp.clip(begin[:, None] + pos, 0, L - 1), axis=1)
     c = jnp.where(pos < span[:, None], c, PAD)  # the answer, left-aligned
-
-    for s in SPECIAL_STRINGS:  # str.replace(s, "") in the reference's order
-        hit = _match(c, s)
-        covered = jnp.zeros_like(hit)
-        for i in range(len(s)):
-            covered |= jnp.pad(hit, ((0, 0), (i, 0)))[:, :L]
-        c = _compact(c, (c != PAD) & ~covered)
+    c = _remove_specials(c)
 
     pipe = c == ord("|")
     run_start = jax.lax.cummax(jnp.where(pipe, 0, pos + 1), axis=1)
@@ -321,22 +350,23 @@ def parse_bytes(x, names: tuple, max_actions: int, thinking: bool = True):
     first = jnp.full((B, L + 1), L, jnp.int32).at[rows, piece].min(jnp.where(core, pos, L))
     last = jnp.full((B, L + 1), -1, jnp.int32).at[rows, piece].max(jnp.where(core, pos, -1))
     nonempty = first < L
-    rank = jnp.cumsum(nonempty, axis=1) - 1
+    rank = jnp.where(nonempty, jnp.cumsum(nonempty, axis=1) - 1, -1)
     count = jnp.minimum(jnp.sum(nonempty, axis=1), max_actions).astype(jnp.int32)
 
+    # the r-th non-empty piece: its stripped text is c[f..e]
+    slot = rank[:, :, None] == jnp.arange(max_actions)[None, None]  # [B,L+1,R]
+    has = slot.any(axis=1)  # [B,R]
+    q = jnp.argmax(slot, axis=1)  # [B,R]
+    f = jnp.take_along_axis(first, q, axis=1)
+    e = jnp.take_along_axis(last, q, axis=1)
     lower = jnp.where((c >= ord("A")) & (c <= ord("Z")), c + 32, c)
-    hits = [_match(lower, n.lower().encode("utf-8")) for n in names]
-    out = []
-    for r in range(max_actions):
-        q = _first(nonempty & (rank == r), -1)
-        f = _at(first, q, L)
-        e = _at(last, q, -1)
-        idx = jnp.full((B,), -1, jnp.int32)
-        for a, n in enumerate(names):
-            ok = (q >= 0) & _at(hits[a], f, False) & (e - f + 1 == len(n.encode("utf-8")))
-            idx = jnp.where(ok & (idx < 0), a, idx)
-        out.append(idx)
-    return jnp.stack(out, axis=1), count
+    encoded = [n.lower().encode("utf-8") for n in names]
+    hits = _matches(lower, encoded)  # [B,L,A]
+    at_f = jnp.take_along_axis(hits, jnp.clip(f, 0, L - 1)[:, :, None], axis=1)  # [B,R,A]
+    same_len = (e - f + 1)[:, :, None] == jnp.asarray([len(n) for n in encoded])[None, None]
+    ok = at_f & same_len & has[:, :, None]
+    idx = jnp.where(ok.any(axis=2), jnp.argmax(ok, axis=2), -1).astype(jnp.int32)
+    return idx, count
 
 
 # ------------------------------------------------------------------------------ scripted policy
@@ -622,7 +652,7 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                  max_turn: int = 5, max_new_tokens: int = 100, max_context: int = 2048,
                  thinking: bool = True, top_k: int = 0, top_p: float = 1.0,
                  max_actions_per_turn: int | None = None, max_actions_per_traj: int | None = None,
-                 tag: int = 0, cache_dtype=None) -> Rollout:
+                 tag: int = 0, cache_dtype=None, length_prompt: int | None = None) -> Rollout:
     """A jitted full rollout of `env_groups x group_size` episodes of `env`.
 
     `Rollout.run(params, key, seed, temperature, stream)` -> (Trajectory, metrics):
@@ -633,10 +663,11 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     metrics: dict of per-episode arrays [B]: action_is_valid, action_is_effective (the
     reference's per-turn averages), num_turns, num_parsed_actions, num_valid_actions,
     num_effective_actions, format_errors, truncated, context_used, response_length.
-    Trajectory length T = max_context.
+    Trajectory length T = max_context. `length_prompt` is the N of the prompt's "Max response
+    length: N words (tokens)" (default max_new_tokens, as the reference).
     """
     etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
-    tables = build_tables(tokenizer, etext, max_turn, max_new_tokens, thinking)
+    tables = build_tables(tokenizer, etext, max_turn, length_prompt or max_new_tokens, thinking)
     smp = sampler_lib.make_sampler(model_cfg, tokenizer, max_new_tokens,
                                    stop=("</answer>",), top_k=top_k, top_p=top_p)
     stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(tokenizer.token_bytes()))
@@ -688,7 +719,8 @@ class _SamplerView:
 def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: int = 100,
                           max_context: int = 2048, thinking: bool = True,
                           max_actions_per_turn: int | None = None,
-                          max_actions_per_traj: int | None = None, tag: int = 0):
+                          max_actions_per_traj: int | None = None, tag: int = 0,
+                          length_prompt: int | None = None):
     """The same episode loop with given replies instead of a model (tests, launch/play.py).
 
     Returns (play, tables) where jitted `play(env_state [B], reply_ids [B,M,N], reply_len [B,M],
@@ -696,7 +728,7 @@ def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: 
     with `script_replies`. group_id is the row index.
     """
     etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
-    tables = build_tables(tokenizer, etext, max_turn, max_new_tokens, thinking)
+    tables = build_tables(tokenizer, etext, max_turn, length_prompt or max_new_tokens, thinking)
     parse_table = parse_byte_table(tokenizer)
     spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
 
