@@ -122,16 +122,6 @@ def test_bandit_dialogue_one_pull(tok):
     assert float(traj.turn_reward[1, 0]) == pytest.approx(0.1)  # the first action only
 
 
-def test_context_overflow_ends_cleanly(tok):
-    # A context that holds turn 1 and a bit of turn 2: the episode stops, marked truncated.
-    eps, traj, metrics, _ = _play(tok, envs.make("SimpleSokoban"), ["SimpleSokoban_seed0"],
-                                  max_context=700)
-    assert bool(metrics["truncated"][0])
-    assert int(traj.length[0]) <= 700
-    assert 1 <= int(metrics["num_turns"][0]) < 4
-    assert float(traj.turn_reward[0, 0]) == pytest.approx(-0.3)
-
-
 def test_short_decimal():
     assert [rollout.short_decimal(r) for r in (-0.30000000000000004, 10.8, 0.0, 1.0, -0.5, 0.1,
                                                10.899999, -1.25, 123.0)] == [

@@ -108,7 +108,7 @@ def test_reply_bytes_from_tokens(tiny_tokenizer):
     tokens = np.zeros((len(ids), N), np.int32)
     for i, t in enumerate(ids):
         tokens[i, :len(t)] = t
-    x = rollout.reply_bytes(jnp.asarray(tokens), jnp.asarray([len(i) for i in ids]), table,
-                            lengths, b"<think>")
+    x = jax.jit(rollout.reply_bytes, static_argnums=4)(
+        jnp.asarray(tokens), jnp.asarray([len(i) for i in ids]), table, lengths, b"<think>")
     for row, t in zip(np.asarray(x), texts):
         assert bytes(row[row >= 0].astype(np.uint8)).decode("utf-8") == "<think>" + t
