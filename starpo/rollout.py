@@ -33,6 +33,7 @@ or the context is full (`truncated`: the observation or the reply did not fit; n
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -412,16 +413,19 @@ def script_replies(tokenizer, replies: list[list[str]], max_turn: int, max_new_t
     """Host: reply texts [B][<=max_turn] -> (ids [B,M,N], len [B,M], stop [B,M]) numpy arrays.
 
     A reply is cut after its first `stop` (stop reason STOP_STRING), else it ends on the
-    budget (BUDGET); at most `max_new_tokens` tokens are kept, like the sampler."""
+    budget (BUDGET); at most `max_new_tokens` tokens are kept, like the sampler. Rows with
+    fewer replies than turns get empty ones (length 0): the episode ends there (after showing
+    the next observation) if it has not ended before."""
     B = len(replies)
     ids = np.zeros((B, max_turn, max_new_tokens), np.int32)
     lens = np.zeros((B, max_turn), np.int32)
-    stops = np.full((B, max_turn), sampler_lib.BUDGET, np.int32)
+    stops = np.full((B, max_turn), sampler_lib.NOT_RUN, np.int32)
     for b, rs in enumerate(replies):
         if len(rs) > max_turn:
             raise ValueError(f"{len(rs)} replies for at most {max_turn} turns")
         for k, r in enumerate(rs):
             cut = r.find(stop) if stop else -1
+            stops[b, k] = sampler_lib.BUDGET
             if cut >= 0:
                 r = r[:cut + len(stop)]
                 stops[b, k] = sampler_lib.STOP_STRING
@@ -642,6 +646,7 @@ class Rollout:
     """What `make_rollout` builds: the jitted `run` and the host-side tables it closes over."""
 
     run: Callable
+    run_from: Callable  # (params, key, env_state [B], group_id [B], temperature): given levels
     spec: RolloutSpec
     text: env_text.EnvText
     tables: DialogueTables
@@ -675,10 +680,8 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
     B = env_groups * group_size
 
-    def run(params, key, seed, temperature, stream=TRAIN):
-        env_state, group_id = _initial_states(env, jax.random.key(0), seed, stream, env_groups,
-                                              group_size)
-        pstate = sampler_lib.init_state(model_cfg, B, max_context, cache_dtype)
+    def run_from(params, key, env_state, group_id, temperature):
+        pstate = sampler_lib.init_state(model_cfg, group_id.shape[0], max_context, cache_dtype)
 
         def policy_turn(ps, chunk, valid, k, active, turn_k):
             del turn_k
@@ -690,7 +693,12 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                                      _SamplerView(pstate), env_state, group_id, key)
         return traj, metrics
 
-    return Rollout(jax.jit(run), spec, etext, tables, smp)
+    def run(params, key, seed, temperature, stream=TRAIN):
+        env_state, group_id = _initial_states(env, jax.random.key(0), seed, stream, env_groups,
+                                              group_size)
+        return run_from(params, key, env_state, group_id, temperature)
+
+    return Rollout(jax.jit(run), jax.jit(run_from), spec, etext, tables, smp)
 
 
 @struct.dataclass
@@ -716,6 +724,7 @@ class _SamplerView:
         return self.inner.generated
 
 
+@functools.lru_cache(maxsize=8)
 def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: int = 100,
                           max_context: int = 2048, thinking: bool = True,
                           max_actions_per_turn: int | None = None,
@@ -725,7 +734,8 @@ def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: 
 
     Returns (play, tables) where jitted `play(env_state [B], reply_ids [B,M,N], reply_len [B,M],
     reply_stop [B,M], key)` -> (Trajectory, metrics, final env state); build the reply arrays
-    with `script_replies`. group_id is the row index.
+    with `script_replies`. group_id is the row index. Cached: the same settings share one
+    compiled program.
     """
     etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
     tables = build_tables(tokenizer, etext, max_turn, length_prompt or max_new_tokens, thinking)
