@@ -201,18 +201,23 @@ class Attention(nn.Module):
             k, v = k.astype(kv[0].dtype), v.astype(kv[1].dtype)
 
         def scores(keys):
-            s = jnp.einsum("btkge,bske->bkgts", q.astype(keys.dtype), keys,
-                           preferred_element_type=jnp.float32)
-            return s
+            return jnp.einsum("btkge,bske->bkgts", q.astype(keys.dtype), keys,
+                              preferred_element_type=jnp.float32)
+
+        def mix(probs, values):
+            return jnp.einsum("bkgts,bske->btkge", probs.astype(values.dtype), values,
+                              preferred_element_type=jnp.float32)
 
         s = jnp.where(chunk_mask[:, None, None], scores(k), _MASK_VALUE)  # [B,K,G,T,T]
-        if kv is not None:
+        if kv is None:
+            out = mix(jax.nn.softmax(s, axis=-1), v)
+        else:  # one softmax over [cache slots, chunk], without concatenating the cache
             s_cache = jnp.where(cache_valid[:, None, None, None, :], scores(kv[0]), _MASK_VALUE)
-            s = jnp.concatenate([s_cache, s], axis=-1)  # [B,K,G,T,S+T]
-        probs = jax.nn.softmax(s, axis=-1)
-        values = v if kv is None else jnp.concatenate([kv[1], v], axis=1)  # [B,S+T,K,E]
-        out = jnp.einsum("bkgts,bske->btkge", probs.astype(values.dtype), values,
-                         preferred_element_type=jnp.float32).reshape(B, T, H, E)
+            top = jnp.maximum(s_cache.max(-1, keepdims=True), s.max(-1, keepdims=True))
+            e_cache, e = jnp.exp(s_cache - top), jnp.exp(s - top)
+            norm = e_cache.sum(-1, keepdims=True) + e.sum(-1, keepdims=True)
+            out = mix(e_cache / norm, kv[1]) + mix(e / norm, v)
+        out = out.reshape(B, T, H, E)
         out = _dense(cfg.hidden_size, ("heads", "head_dim", "embed"), "o", cfg,
                      in_axes=(-2, -1))(out)
         return out, (k, v)

@@ -149,6 +149,10 @@ class Sampler:
     stop: tuple[bytes, ...] = ()
     top_k: int = 0
     top_p: float = 1.0
+    # matmul dtype of the chunk append (many tokens: compute-bound, where bfloat16 inputs with
+    # float32 accumulation are fastest); decoding (one token per row: bandwidth-bound) uses
+    # cfg.dtype. None: cfg.dtype for both.
+    prefill_dtype: str | None = None
 
     def turn(self, params, state: SamplerState, chunk, chunk_valid, key, temperature, active,
              token_bytes=None):
@@ -173,10 +177,11 @@ class Sampler:
 
 
 def make_sampler(cfg: ModelConfig, tokenizer, max_new_tokens: int, stop=(), top_k: int = 0,
-                 top_p: float = 1.0) -> Sampler:
+                 top_p: float = 1.0, prefill_dtype: str | None = None) -> Sampler:
     """A Sampler for a model and its tokenizer; `stop` strings are matched on decoded bytes."""
     return Sampler(cfg, max_new_tokens, tuple(tokenizer.eos_ids), tokenizer.pad_id,
-                   tuple(s.encode("utf-8") for s in stop), int(top_k), float(top_p))
+                   tuple(s.encode("utf-8") for s in stop), int(top_k), float(top_p),
+                   prefill_dtype)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -186,8 +191,10 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     cfg, N = s.cfg, s.max_new_tokens
     B, C = chunk.shape
     S = state.cache.max_len
-    # Compute in cfg.dtype: cast the weights once here rather than on every decode step.
-    params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(cfg.dtype)), params)
+    # Cast the weights once per call rather than on every decode step (no-ops when equal).
+    pre_cfg = cfg.replace(dtype=s.prefill_dtype or cfg.dtype)
+    pre_params = jax.tree_util.tree_map(lambda p: p.astype(pre_cfg.dtype), params)
+    params = jax.tree_util.tree_map(lambda p: p.astype(cfg.dtype), params)
     rows = jnp.arange(B)
 
     # ---- append the chunk where it fits
@@ -200,9 +207,9 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     live = active & fits & (span > 0) & (state.cache.end + span < S)
     slots = jnp.where(write, state.cache.end[:, None] + col, S)
     tokens_buf = state.tokens.at[rows[:, None], slots].set(chunk, mode="drop")
-    hidden, cache = model_lib.hidden_states(params, cfg, chunk, write, state.cache)
+    hidden, cache = model_lib.hidden_states(pre_params, pre_cfg, chunk, write, state.cache)
     last = jnp.maximum(span - 1, 0)
-    logits = model_lib.head_logits(params, cfg, hidden[rows, last])  # [B,V]
+    logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
 
     eos = jnp.asarray(s.eos_ids, jnp.int32)
     reason = jnp.where(active & ~live, CONTEXT_FULL, NOT_RUN).astype(jnp.int32)

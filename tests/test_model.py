@@ -178,3 +178,15 @@ def test_config_rejects_bad_heads():
     with pytest.raises(ValueError, match="num_kv_heads"):
         M.ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2,
                       head_dim=4, intermediate_size=8)
+
+
+def test_bfloat16_matmuls_stay_close_to_float32(tiny, fwd):
+    """bfloat16 matmul inputs accumulate in float32: logits stay within bf16 rounding."""
+    cfg, params = tiny
+    ids = jax.random.randint(jax.random.key(6), (2, 9), 0, cfg.vocab_size)
+    valid = jnp.ones_like(ids, bool)
+    want, _ = fwd(ids, valid, None)
+    got, _ = M.forward(params, cfg.replace(dtype="bfloat16"), ids, valid)
+    assert got.dtype == jnp.float32
+    err = float(jnp.abs(got - want).max())
+    assert 0 < err < 0.05 * float(jnp.abs(want).max()), err
