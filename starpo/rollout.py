@@ -724,7 +724,6 @@ class _SamplerView:
         return self.inner.generated
 
 
-@functools.lru_cache(maxsize=8)
 def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: int = 100,
                           max_context: int = 2048, thinking: bool = True,
                           max_actions_per_turn: int | None = None,
@@ -737,8 +736,16 @@ def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: 
     with `script_replies`. group_id is the row index. Cached: the same settings share one
     compiled program.
     """
+    return _scripted(env, tokenizer, max_turn, max_new_tokens, max_context, thinking,
+                     max_actions_per_turn, max_actions_per_traj, tag,
+                     length_prompt or max_new_tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def _scripted(env, tokenizer, max_turn, max_new_tokens, max_context, thinking,
+              max_actions_per_turn, max_actions_per_traj, tag, length_prompt):
     etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
-    tables = build_tables(tokenizer, etext, max_turn, length_prompt or max_new_tokens, thinking)
+    tables = build_tables(tokenizer, etext, max_turn, length_prompt, thinking)
     parse_table = parse_byte_table(tokenizer)
     spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
 

@@ -64,7 +64,13 @@ def _decoded(tok, traj, b):
 
 @pytest.fixture(scope="module")
 def sokoban(tok):
-    return _play(tok, envs.make("SimpleSokoban"), ["SimpleSokoban_seed0", "SimpleSokoban_seed0_budget"])
+    # one episode per call (B = 1): the same compiled program as launch/play.py's test
+    runs = [_play(tok, envs.make("SimpleSokoban"), [n])
+            for n in ("SimpleSokoban_seed0", "SimpleSokoban_seed0_budget")]
+    eps = [r[0][0] for r in runs]
+    stack = lambda *x: np.concatenate([np.asarray(a) for a in x])  # noqa: E731
+    traj, metrics, final = (jax.tree_util.tree_map(stack, *[r[i] for r in runs]) for i in (1, 2, 3))
+    return eps, traj, metrics, final
 
 
 def test_sokoban_dialogue_text_is_the_reference(tok, sokoban):
