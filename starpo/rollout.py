@@ -42,6 +42,7 @@ import numpy as np
 from flax import struct
 
 from envs import text as env_text
+from starpo import model as model_lib
 from starpo import sampler as sampler_lib
 from starpo.trajectory import Trajectory
 
@@ -450,10 +451,13 @@ class RolloutSpec:
     tag: int
 
 
-def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, policy_turn,
-              pstate, env_state, group_id, key):
-    """Play a batch of episodes from env_state [B] with `policy_turn(pstate, chunk, valid,
-    key, active, k) -> (pstate, Turn)`; pstate has tokens/logprobs/generated and `end`."""
+def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, prefill,
+              policy_turn, pstate, env_state, group_id, key):
+    """Play a batch of episodes from env_state [B].
+
+    prefill(pstate, chunk [B,P]) -> pstate appends the fixed prompt prefix without replying;
+    policy_turn(pstate, chunk, valid, key, active, k) -> (pstate, Turn) appends an observation
+    and replies; pstate has tokens/logprobs/generated [B,S] and `end` [B]."""
     env, M = spec.env, spec.max_turn
     B = group_id.shape[0]
     R, budget = etext.max_actions_per_turn, etext.max_actions_per_traj
@@ -470,19 +474,26 @@ def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, pol
     def full(v):
         return jnp.full((B, 1), v, jnp.int32)
 
+    # The system prompt and the env prefix are the same in every row and every episode: they
+    # are appended once, without a reply. Every turn's observation then has one width C.
+    prefix_tokens = np.concatenate([tables.tokens[i, :tables.lengths[i]]
+                                    for i in (ids["start"], ids["prefix"])])
     first_ids = jnp.concatenate([
-        full(ids["start"]), full(ids["prefix"]), full(ids["header1"][1]), state_pieces(env_state),
-        full(ids["left"][budget]), full(ids["gen"])], axis=1)
-    W = int(tables.lengths.max())
+        full(ids["header1"][1]), state_pieces(env_state), full(ids["left"][budget]),
+        full(ids["gen"])], axis=1)
     maxlen = tables.lengths
-    C0 = int(maxlen[[ids["start"], ids["prefix"], ids["header1"][1], ids["gen"]]].sum()
-             + maxlen[ids["left"]].max() + etext.width * maxlen[tables.env_offset:].max())
+    state_max = etext.width * maxlen[tables.env_offset:].max()
+    C_first = int(maxlen[ids["header1"][1]] + state_max + maxlen[ids["left"]].max()
+                  + maxlen[ids["gen"]])
     close_ids = np.concatenate([[ids["close"]], tables.close_by_eos])
-    C1 = int(maxlen[close_ids].max() + maxlen[ids["reward"]] + (2 + INT_DIGITS + FRAC_DIGITS)
-             * maxlen[np.concatenate([ids["digit"], [ids["minus"], ids["point"]]])].max()
-             + maxlen[ids["header2"][1:]].max() + etext.width * maxlen[tables.env_offset:].max()
-             + maxlen[ids["left"]].max() + maxlen[ids["gen"]])
-    del W
+    C_later = int(maxlen[close_ids].max() + maxlen[ids["reward"]] + (2 + INT_DIGITS + FRAC_DIGITS)
+                  * maxlen[np.concatenate([ids["digit"], [ids["minus"], ids["point"]]])].max()
+                  + maxlen[ids["header2"][1:]].max() + state_max + maxlen[ids["left"]].max()
+                  + maxlen[ids["gen"]])
+    C = max(C_first, C_later)
+    if len(prefix_tokens) + C >= spec.max_context:
+        raise ValueError(f"max_context {spec.max_context} cannot hold the prompt prefix "
+                         f"({len(prefix_tokens)} tokens) and a first observation ({C})")
 
     zeros_f = jnp.zeros((B, M), jnp.float32)
     zeros_i = jnp.zeros((B, M), jnp.int32)
@@ -572,28 +583,32 @@ def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, pol
         for e, p in zip(tables.eos_ids, tables.close_by_eos):
             close = jnp.where(is_eos & (c["last_token"] == e), p, close)
         left = jnp.asarray(ids["left"])[jnp.clip(budget - c["num_actions"], 0, budget)]
-        header = jnp.asarray(ids["header2"])[jnp.minimum(k + 1, M)]
+        header = jnp.asarray(ids["header2"])[jnp.minimum(k + 1, M)]  # "Turn k+1"
         return jnp.concatenate([
             close[:, None], full(ids["reward"]), reward_pieces(tables, c["reward"], c["any_ran"]),
             jnp.broadcast_to(header, (B, 1)).astype(jnp.int32),
             state_pieces(c["env"]), left[:, None], full(ids["gen"])], axis=1)
 
-    # Turn 0's observation is long (the instruction): its own chunk width. Then each iteration
-    # processes turn k-1 and shows turn k, so parsing and env steps are traced once.
-    key0, key = jax.random.split(key)
-    chunk, valid = assemble(tables, first_ids, C0)
-    c = policy_step({**carry0, "reward": jnp.zeros((B,), jnp.float32),
-                     "any_ran": jnp.zeros((B,), bool)}, 0, chunk, valid, key0)
-
     def body(k, loop):
         c, key = loop
         key, k_env, k_pol = jax.random.split(key, 3)
-        c = process(c, k - 1, k_env)
-        chunk, valid = assemble(tables, next_ids(c, k), C1)
-        c = policy_step(c, jnp.minimum(k, M - 1), chunk, valid, k_pol)
-        return c, key
+        later = next_ids(c, k)
+        first = jnp.pad(first_ids, ((0, 0), (0, later.shape[1] - first_ids.shape[1])))
+        chunk, valid = assemble(tables, jnp.where(k == 0, first, later), C)
+        c = policy_step(c, k, chunk, valid, k_pol)
+        return process(c, k, k_env), key
 
-    c, _ = jax.lax.fori_loop(1, M + 1, body, (c, key))
+    # The barrier keeps XLA from constant-folding the prefix's forward pass (constant tokens
+    # into an all-zero cache: minutes of compile time for nothing).
+    prefix = jnp.broadcast_to(jnp.asarray(prefix_tokens, jnp.int32), (B, len(prefix_tokens)))
+    pstate, prefix = jax.lax.optimization_barrier((pstate, prefix))
+    pstate = prefill(pstate, prefix)
+    c = {**carry0, "pstate": pstate, "reward": jnp.zeros((B,), jnp.float32),
+         "any_ran": jnp.zeros((B,), bool),
+         "turn": sampler_lib.Turn(jnp.zeros((B, spec.max_new_tokens), jnp.int32),
+                                  jnp.zeros((B, spec.max_new_tokens), jnp.float32),
+                                  jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32))}
+    c, _ = jax.lax.fori_loop(0, M, body, (c, key))
 
     ps = c["pstate"]
     T = ps.tokens.shape[1]
@@ -689,7 +704,10 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                                             jnp.float32(temperature), active, stop_table)
             return _SamplerView(st), turn
 
-        traj, metrics, _ = _episodes(spec, etext, tables, parse_table, policy_turn,
+        def prefill(ps, chunk):
+            return _SamplerView(append_without_reply(model_cfg, params, ps.inner, chunk))
+
+        traj, metrics, _ = _episodes(spec, etext, tables, parse_table, prefill, policy_turn,
                                      _SamplerView(pstate), env_state, group_id, key)
         return traj, metrics
 
@@ -699,6 +717,18 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
         return run_from(params, key, env_state, group_id, temperature)
 
     return Rollout(jax.jit(run), jax.jit(run_from), spec, etext, tables, smp)
+
+
+def append_without_reply(cfg, params, state: sampler_lib.SamplerState, chunk):
+    """Append chunk [B,P] (all valid) at every row's offset of an *empty* sampler state and
+    write its keys/values, without decoding a reply (the shared prompt prefix). The sampler's
+    own append, minus its decode loop."""
+    B, P = chunk.shape
+    params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(cfg.dtype)), params)
+    valid = jnp.ones((B, P), bool)
+    _, cache = model_lib.hidden_states(params, cfg, chunk, valid, state.cache)
+    tokens = jax.lax.dynamic_update_slice(state.tokens, chunk, (0, 0))
+    return state.replace(cache=cache, tokens=tokens)
 
 
 @struct.dataclass
@@ -761,7 +791,12 @@ def _scripted(env, tokenizer, max_turn, max_new_tokens, max_context, thinking,
             return script_turn(ps, chunk, valid, active, take(reply_ids), take(reply_len),
                                take(reply_stop))
 
-        return _episodes(spec, etext, tables, parse_table, policy_turn, ps, env_state,
+        def prefill(ps, chunk):
+            P = chunk.shape[1]
+            tokens = jax.lax.dynamic_update_slice(ps.tokens, chunk, (0, 0))
+            return ps.replace(tokens=tokens, end=ps.end + P)
+
+        return _episodes(spec, etext, tables, parse_table, prefill, policy_turn, ps, env_state,
                          jnp.arange(B, dtype=jnp.int32), key)
 
     return jax.jit(play), tables
