@@ -84,6 +84,7 @@ def test_sokoban_dialogue_text_is_the_reference(tok, sokoban):
 def test_sokoban_rewards_penalty_actions_and_end_state(sokoban):
     eps, traj, metrics, final = sokoban
     env = envs.make("SimpleSokoban")
+    step = jax.jit(env.step)
     for b, e in enumerate(eps):
         turns = len(e["turn_rewards"])
         np.testing.assert_allclose(np.asarray(traj.turn_reward[b, :turns]), e["turn_rewards"], atol=1e-5)
@@ -96,7 +97,7 @@ def test_sokoban_rewards_penalty_actions_and_end_state(sokoban):
         # the end state equals replaying the reference's executed action ids
         state = env.from_text(e["initial_state"])
         for a in [a for turn in e["executed_action_ids"] for a in turn]:
-            state, *_ = env.step(jax.random.key(0), state, a)
+            state, *_ = step(jax.random.key(0), state, np.int32(a))
         mine = jax.tree_util.tree_map(lambda x: x[b], final)
         assert env.to_text(mine) == env.to_text(state)
         assert int(metrics["num_valid_actions"][b]) >= int(traj.num_actions[b])
