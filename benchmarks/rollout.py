@@ -1,0 +1,128 @@
+"""Full multi-turn rollout throughput vs the sampler alone; cost of env + render + parse.
+
+  python benchmarks/rollout.py --model=smollm2-135m-instruct --env=FrozenLake --groups=8 \\
+      --group_size=8 --turns=5 --new_tokens=100
+
+Three timings (median of --repeats calls after compiling):
+- rollout: `make_rollout(...).run` (sampling at temperature 1, thinking on);
+- sampler: the same sampler on the same batch, shapes and turn count, fed a fixed observation
+  chunk each turn with every row active (no env, no parse, no render);
+- scripted: the rollout with teacher-forced replies of `new_tokens` tokens and no model, i.e.
+  the env steps, rendering, parsing and bookkeeping alone.
+Overhead = scripted time / rollout time (the rollout's non-model work; target < 10%).
+The last line printed is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import envs  # noqa: E402
+from starpo import rollout, sampler, weights  # noqa: E402
+
+
+def timed(f, args_of, repeats):
+    """(compile-and-first-call seconds, median seconds of `repeats` later calls, last output)."""
+    t = time.perf_counter()
+    out = jax.block_until_ready(f(*args_of(0)))
+    first = time.perf_counter() - t
+    times = []
+    for i in range(repeats):
+        t = time.perf_counter()
+        out = jax.block_until_ready(f(*args_of(i + 1)))
+        times.append(time.perf_counter() - t)
+    return first, statistics.median(times), out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--env", default="FrozenLake")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--group_size", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--new_tokens", type=int, default=100)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+
+    m = weights.load_model(a.model)
+    env = envs.make(a.env)
+    B = a.groups * a.group_size
+    r = rollout.make_rollout(env, m.tokenizer, m.cfg, env_groups=a.groups,
+                             group_size=a.group_size, max_turn=a.turns,
+                             max_new_tokens=a.new_tokens, max_context=a.context)
+    temp = jnp.float32(1.0)
+    c_roll, t_roll, (traj, metrics) = timed(
+        r.run, lambda i: (m.params, jax.random.key(i), jnp.int32(i * a.groups), temp,
+                          jnp.int32(rollout.TRAIN)), a.repeats)
+    traj, metrics = jax.device_get((traj, metrics))
+    generated = int(traj.loss_mask.sum())
+    context = int(traj.length.sum())
+
+    # ---- the sampler alone: prefix once, then `turns` turns of a fixed observation chunk
+    tables = r.tables
+    ids = tables.ids
+    prefix = np.concatenate([tables.tokens[i, :tables.lengths[i]] for i in (ids["start"], ids["prefix"])])
+    obs = np.concatenate([tables.tokens[i, :tables.lengths[i]]
+                          for i in (ids["header1"][1], *([tables.env_offset] * r.text.width),
+                                    ids["left"][5], ids["gen"])])
+    stop_table = tuple(jnp.asarray(x) for x in sampler.byte_table(m.tokenizer.token_bytes()))
+    smp = r.sampler
+
+    @jax.jit
+    def sampler_only(params, key):
+        st = sampler.init_state(m.cfg, B, a.context)
+        pre = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32), (B, len(prefix)))
+        st, pre = jax.lax.optimization_barrier((st, pre))
+        st = rollout.append_without_reply(m.cfg, params, st, pre)
+        chunk = jnp.broadcast_to(jnp.asarray(obs, jnp.int32), (B, len(obs)))
+        total = jnp.zeros((), jnp.int32)
+        for k in range(a.turns):
+            st, turn = sampler.run_turn(smp, params, st, chunk, jnp.ones(chunk.shape, bool),
+                                        jax.random.fold_in(key, k), temp, jnp.ones((B,), bool),
+                                        stop_table)
+            total += turn.length.sum()
+        return total
+
+    c_smp, t_smp, smp_tokens = timed(sampler_only, lambda i: (m.params, jax.random.key(i)), a.repeats)
+
+    # ---- env + render + parse alone: teacher-forced replies of new_tokens tokens, no model
+    play, _ = rollout.make_scripted_rollout(env, m.tokenizer, max_turn=a.turns,
+                                            max_new_tokens=a.new_tokens, max_context=a.context)
+    filler = "I think about the map and then decide where to go next. " * 20
+    reply = m.tokenizer.decode(m.tokenizer.encode(filler)[:a.new_tokens - 12]) + \
+        "</think><answer>Left || Up</answer>"
+    rids, rlen, rstop = rollout.script_replies(m.tokenizer, [[reply] * a.turns] * B, a.turns,
+                                               a.new_tokens)
+    states, _ = jax.jit(lambda: rollout._initial_states(env, jax.random.key(0), 0, 0, a.groups,
+                                                        a.group_size))()
+    c_scr, t_scr, _ = timed(play, lambda i: (states, rids, rlen, rstop, jax.random.key(i)),
+                            a.repeats)
+
+    out = {
+        "device": jax.devices()[0].device_kind, "model": a.model, "env": a.env, "batch": B,
+        "turns": a.turns, "new_tokens": a.new_tokens,
+        "rollout_s": t_roll, "rollout_compile_s": c_roll,
+        "episodes_per_s": B / t_roll, "generated_tokens_per_s": generated / t_roll,
+        "context_tokens_per_s": context / t_roll, "generated_tokens": generated,
+        "mean_turns": float(metrics["num_turns"].mean()),
+        "truncated": int(metrics["truncated"].sum()),
+        "sampler_s": t_smp, "sampler_generated_tokens": int(smp_tokens),
+        "sampler_generated_tokens_per_s": int(smp_tokens) / t_smp,
+        "scripted_s": t_scr, "overhead_fraction": t_scr / t_roll,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
