@@ -413,8 +413,8 @@ def script_replies(tokenizer, replies: list[list[str]], max_turn: int, max_new_t
                    stop: str = "</answer>"):
     """Host: reply texts [B][<=max_turn] -> (ids [B,M,N], len [B,M], stop [B,M]) numpy arrays.
 
-    A reply is cut after its first `stop` (stop reason STOP_STRING), else it ends on the
-    budget (BUDGET); at most `max_new_tokens` tokens are kept, like the sampler. Rows with
+    A reply is cut after its first `stop` (stop reason STOP_STRING) or end-of-sequence token
+    (EOS, kept), else it ends on the budget (BUDGET); at most `max_new_tokens` tokens are kept, like the sampler. Rows with
     fewer replies than turns get empty ones (length 0): the episode ends there (after showing
     the next observation) if it has not ended before."""
     B = len(replies)
@@ -430,7 +430,12 @@ def script_replies(tokenizer, replies: list[list[str]], max_turn: int, max_new_t
             if cut >= 0:
                 r = r[:cut + len(stop)]
                 stops[b, k] = sampler_lib.STOP_STRING
-            t = tokenizer.encode(r)[:max_new_tokens]
+            t = tokenizer.encode(r)
+            eos = [i for i, x in enumerate(t) if x in tokenizer.eos_ids]
+            if eos:  # the sampler stops on (and keeps) an end-of-sequence token
+                t = t[:eos[0] + 1]
+                stops[b, k] = sampler_lib.EOS
+            t = t[:max_new_tokens]
             if not t:
                 raise ValueError("a scripted reply must have at least one token")
             ids[b, k, :len(t)] = t

@@ -105,6 +105,31 @@ def test_sokoban_rewards_penalty_actions_and_end_state(sokoban):
     assert not bool(traj.success[1]) and int(traj.num_actions[1]) == 10
 
 
+def test_reply_ending_on_end_of_sequence(tok, sokoban):
+    # A reply that ends with the end-of-turn token (no </answer>): the next observation opens
+    # with the rest of the template's end-of-message text; the text stays the template's.
+    e = dict(EPISODES["SimpleSokoban_seed0"])
+    eos_text = tok.decode([tok.eos_ids[0]])
+    gens = ["I will move down.</think><answer>Down || Down" + eos_text] + e["generations"][1:]
+    env = envs.make("SimpleSokoban")
+    play, _ = rollout.make_scripted_rollout(env, tok, max_turn=5, max_new_tokens=N_TOKENS,
+                                            max_context=2048, length_prompt=100)
+    state = jax.tree_util.tree_map(lambda x: x[None], env.from_text(e["initial_state"]))
+    ids, lens, stops = rollout.script_replies(tok, [gens[:2]], 5, N_TOKENS)
+    assert stops[0, 0] == rollout.sampler_lib.EOS
+    traj, metrics, _ = play(state, ids, lens, stops, jax.random.key(0))
+    check_trajectory(traj, 1)
+    text = _decoded(tok, traj, 0)
+    # no answer parsed in turn 1: nothing ran, reward "0", penalty; turn 2 as recorded
+    first_user = e["user_messages"][0]
+    msgs = [{"role": "system", "content": e["system"]}, {"role": "user", "content": first_user},
+            {"role": "assistant", "content": "<think>" + gens[0][:-len(eos_text)]}]
+    want = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert text.startswith(want + "<|im_start|>user\nReward:\n0\n\nTurn 2:\nState:\n" + e["initial_state"])
+    assert float(traj.penalty[0]) == pytest.approx(-0.2) and int(traj.num_actions[0]) == 2
+    assert int(traj.turn_end[0, 0]) >= 0 and int(traj.tokens[0, traj.turn_end[0, 0]]) == tok.eos_ids[0]
+
+
 def test_frozenlake_dialogue_until_the_first_slip(tok):
     # The reference slipped in turn 2; without slipping our turn 2 reaches the goal instead.
     # Turns 1-2 (whose messages show states reached without a slip) must agree exactly.
