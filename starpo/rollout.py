@@ -1,8 +1,10 @@
 """The StarPO multi-turn rollout on device: text in, env steps, text out, one jitted program.
 
-`make_rollout(...)` returns a jitted `rollout(params, key, seed, temperature, stream)` that plays
-`env_groups x group_size` episodes of one env variant to the end and returns a `Trajectory`
-(starpo/trajectory.py) plus a dict of per-episode metrics. Every turn (a `lax.fori_loop`):
+`make_rollout(...)` returns a `Rollout` whose jitted `run(params, key, seed, temperature,
+stream)` plays `env_groups x group_size` episodes of one env variant to the end and returns a
+`Trajectory` (starpo/trajectory.py) plus a dict of per-episode metrics. The system prompt and
+the env prefix (identical in every row) are appended once without a reply; then every turn
+(one `lax.fori_loop` iteration, so the sampler and the parser are traced once) is
 
   observation piece ids -> tokens (gather) -> sampler turn (append + decode, KV cache kept)
   -> reply bytes (per-token byte table) -> parse (the reference's regex, on device)
@@ -14,8 +16,11 @@ system `You're a helpful assistant. `, first user message = env prefix + `\\nTur
 (`<answer>` with thinking off); later user messages start `Reward:\\n{r}\\n`. The text is built
 on device from pieces tokenised once on the host (`DialogueTables`): template pieces are found by
 rendering the template with sentinel contents; grids are one piece per cell symbol. The decoded
-text equals the reference's; the token split can differ from tokenising the whole text (see
-tests/test_rollout_text.py, which measures how often).
+text equals the reference's; the token split can differ from tokenising the whole text (grids:
+always, one token per cell; every other seam: never, for SmolLM2 -- tests/test_text.py).
+
+`make_scripted_rollout(...)` runs the same loop with given (teacher-forced) replies and no
+model: the golden-dialogue tests and launch/play.py use it.
 
 Deliberate differences from the reference:
 - rewards print as a short decimal (`-0.3`, `10.8`, `0.0`; at most 4 decimals, |r| < 10000)
@@ -24,7 +29,9 @@ Deliberate differences from the reference:
 - parsing is on bytes with ASCII semantics: whitespace is ` \\t\\n\\r\\v\\f` and `\\x1c-\\x1f`
   (Python's non-ASCII whitespace such as U+00A0 is not stripped), lower-casing maps A-Z only;
 - special tokens the model writes (e.g. its end-of-turn token) are not part of the parsed text,
-  as with a server that decodes with skip_special_tokens.
+  as with a server that decodes with skip_special_tokens;
+- a reply that ended on the end-of-turn token is followed by the rest of the template's
+  end-of-message text; any other stop (`</answer>`, budget) by all of it.
 
 An episode ends when the env is done, the action budget is spent, `max_turn` turns have passed,
 or the context is full (`truncated`: the observation or the reply did not fit; never an error).
