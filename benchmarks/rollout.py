@@ -65,6 +65,7 @@ def main():
     c_roll, t_roll, (traj, metrics) = timed(
         r.run, lambda i: (m.params, jax.random.key(i), jnp.int32(i * a.groups), temp,
                           jnp.int32(rollout.TRAIN)), a.repeats)
+    print(f"rollout: first call {c_roll:.1f}s, then {t_roll:.2f}s", file=sys.stderr, flush=True)
     traj, metrics = jax.device_get((traj, metrics))
     generated = int(traj.loss_mask.sum())
     context = int(traj.length.sum())
@@ -95,6 +96,7 @@ def main():
         return total
 
     c_smp, t_smp, smp_tokens = timed(sampler_only, lambda i: (m.params, jax.random.key(i)), a.repeats)
+    print(f"sampler: first call {c_smp:.1f}s, then {t_smp:.2f}s", file=sys.stderr, flush=True)
 
     # ---- env + render + parse alone: teacher-forced replies of new_tokens tokens, no model
     play, _ = rollout.make_scripted_rollout(env, m.tokenizer, max_turn=a.turns,
