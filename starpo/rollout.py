@@ -49,7 +49,6 @@ import numpy as np
 from flax import struct
 
 from envs import text as env_text
-from starpo import model as model_lib
 from starpo import sampler as sampler_lib
 from starpo.trajectory import Trajectory
 
@@ -705,7 +704,6 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(tokenizer.token_bytes()))
     parse_table = parse_byte_table(tokenizer)
     spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
-    B = env_groups * group_size
 
     def run_from(params, key, env_state, group_id, temperature):
         pstate = sampler_lib.init_state(model_cfg, group_id.shape[0], max_context, cache_dtype)
@@ -734,13 +732,9 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
 def append_without_reply(cfg, params, state: sampler_lib.SamplerState, chunk):
     """Append chunk [B,P] (all valid) at every row's offset of an *empty* sampler state and
     write its keys/values, without decoding a reply (the shared prompt prefix). The sampler's
-    own append, minus its decode loop."""
-    B, P = chunk.shape
+    own append (`sampler.append`), minus its decode loop."""
     params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(cfg.dtype)), params)
-    valid = jnp.ones((B, P), bool)
-    _, cache = model_lib.hidden_states(params, cfg, chunk, valid, state.cache)
-    tokens = jax.lax.dynamic_update_slice(state.tokens, chunk, (0, 0))
-    return state.replace(cache=cache, tokens=tokens)
+    return sampler_lib.append(params, cfg, state, chunk, jnp.ones(chunk.shape, bool))[1]
 
 
 @struct.dataclass

@@ -184,6 +184,18 @@ def make_sampler(cfg: ModelConfig, tokenizer, max_new_tokens: int, stop=(), top_
                    prefill_dtype)
 
 
+def append(params, cfg: ModelConfig, state: SamplerState, chunk, chunk_valid):
+    """Write chunk [B,C] (valid [B,C]) at each row's offset: its tokens into the state's token
+    buffer and its keys/values into the cache, without decoding.
+    Returns (hidden [B,C,D] of the chunk, new state). `params` already in cfg.dtype."""
+    B, C = chunk.shape
+    slots = jnp.where(chunk_valid, state.cache.end[:, None] + jnp.arange(C)[None, :],
+                      state.cache.max_len)
+    tokens = state.tokens.at[jnp.arange(B)[:, None], slots].set(chunk, mode="drop")
+    hidden, cache = model_lib.hidden_states(params, cfg, chunk, chunk_valid, state.cache)
+    return hidden, state.replace(cache=cache, tokens=tokens)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, temperature,
              active, token_bytes):
@@ -205,9 +217,8 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     # a turn continues from its chunk's last token, so an active row needs a non-empty chunk
     # and room for at least one reply token
     live = active & fits & (span > 0) & (state.cache.end + span < S)
-    slots = jnp.where(write, state.cache.end[:, None] + col, S)
-    tokens_buf = state.tokens.at[rows[:, None], slots].set(chunk, mode="drop")
-    hidden, cache = model_lib.hidden_states(pre_params, pre_cfg, chunk, write, state.cache)
+    hidden, appended = append(pre_params, pre_cfg, state, chunk, write)
+    tokens_buf, cache = appended.tokens, appended.cache
     last = jnp.maximum(span - 1, 0)
     logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
 
