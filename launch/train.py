@@ -1,0 +1,49 @@
+"""Train an LLM agent with StarPO: `python launch/train.py --config=configs/frozenlake.py:cpu`.
+
+  --config=FILE[:variant]       a config file (configs/*.py), variants after a colon
+  --config.rollout.temperature=0.7   override any config field (typos and wrong types fail)
+  --workdir=DIR                 where the run lives (default runs/<config>[_<variant>]); an
+                                existing run there is resumed
+
+Prints a progress bar and one summary line per step; writes checkpoints, metrics.jsonl and
+TensorBoard logs into the workdir (see starpo/training.py). Ctrl-C or SIGTERM finishes the
+current step, saves a checkpoint and exits; the same command resumes.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from launch import common  # noqa: E402
+
+CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/frozenlake.py:cpu.")
+flags.DEFINE_string("workdir", None, "Run directory (default runs/<config>[_<variant>]).")
+flags.DEFINE_bool("progress", True, "Show a progress bar.")
+FLAGS = flags.FLAGS
+
+
+def default_workdir(spec: str) -> str:
+    path, _, variant = spec.partition(":")
+    name = os.path.splitext(os.path.basename(path))[0] + (f"_{variant}" if variant else "")
+    return os.path.join("runs", name)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["config"].present:
+        raise ValueError("--config is required, e.g. --config=configs/frozenlake.py:cpu")
+    from starpo import training
+
+    training.enable_compilation_cache()
+    workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
+    print(f"workdir: {workdir}  (tensorboard --logdir {workdir})")
+    training.train(CONFIG.value, workdir, progress=FLAGS.progress)
+
+
+if __name__ == "__main__":
+    common.run(main, config_flag=CONFIG)

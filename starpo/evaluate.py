@@ -1,0 +1,117 @@
+"""Rollouts for measuring a policy: per-env-tag summaries, validation sets, evaluation tables.
+
+`summarize` turns one rollout's Trajectory and per-episode metrics into the scalars a run logs
+per env tag (the reference's `success`, `pass@k`, `num_actions`, `action_is_valid`,
+`action_is_effective`, plus response length, score, turns, format errors, truncation, context).
+`EvalSet` is a fixed set of held-out levels of one env variant (the validation stream, disjoint
+from training), played by a jitted rollout at a given temperature; training validates on it
+and `launch/eval.py` prints a table of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import envs
+from starpo import rollout as rollout_lib
+
+# Summaries of per-episode arrays, in the order tables print them.
+TABLE_COLUMNS = ("success", "score", "action_is_valid", "num_actions", "response_length")
+
+
+def summarize(traj, metrics, group_size: int) -> dict[str, float]:
+    """Host-side scalars of one rollout (`traj`, `metrics` may be device or numpy arrays).
+
+    success / pass@k (k = group_size: a group passes if any of its episodes succeeded) /
+    score (trajectory reward: turn rewards + format penalty) / num_actions / action_is_valid /
+    action_is_effective / num_turns / format_errors / truncated / response_length /
+    context_used / context_used_max, each a mean over episodes unless named otherwise.
+    """
+    t, m = jax.device_get((traj, metrics))
+    success = np.asarray(t.success, np.float64)
+    groups = success.reshape(-1, group_size)
+    score = np.asarray(t.turn_reward, np.float64).sum(1) + np.asarray(t.penalty, np.float64)
+    out = {
+        "success": success.mean(),
+        f"pass@{group_size}": groups.max(axis=1).mean(),
+        "score": score.mean(),
+        "num_actions": np.mean(t.num_actions),
+        "action_is_valid": np.mean(m["action_is_valid"]),
+        "action_is_effective": np.mean(m["action_is_effective"]),
+        "num_turns": np.mean(m["num_turns"]),
+        "format_errors": np.mean(m["format_errors"]),
+        "truncated": np.mean(m["truncated"]),
+        "response_length": np.mean(m["response_length"]),
+        "context_used": np.mean(m["context_used"]),
+        "context_used_max": np.max(m["context_used"]),
+        "generated_tokens": np.sum(m["response_length"]),
+    }
+    return {k: float(v) for k, v in out.items()}
+
+
+def dialogue(tokenizer, traj, row: int = 0) -> str:
+    """The decoded text of one episode, exactly as the model saw and wrote it."""
+    n = int(jax.device_get(traj.length[row]))
+    return tokenizer.decode(np.asarray(jax.device_get(traj.tokens[row, :n])).tolist())
+
+
+def parse_tags(tags: str, default: str) -> tuple[str, ...]:
+    """`"A,B"` -> ("A", "B") with every name checked against envs.NAMES; "" -> (default,)."""
+    names = tuple(t.strip() for t in tags.split(",") if t.strip()) or (default,)
+    for name in names:
+        if name not in envs.NAMES:
+            raise ValueError(f"unknown env tag {name!r}; known: {', '.join(envs.NAMES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"env tags repeat: {tags!r}")
+    return names
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """A fixed set of held-out levels of one env variant and the rollout that plays them.
+
+    The levels come from the validation stream (disjoint from training's) with seeds
+    0 .. env_groups-1, each played `group_size` times; the same levels every call, whatever
+    the run's seed, so numbers from different runs and checkpoints compare.
+    """
+
+    tag: str
+    env: object
+    rollout: rollout_lib.Rollout
+    run_from: object  # jitted (params, key, env_state, group_id, temperature)
+    env_state: object
+    group_id: jax.Array
+    group_size: int
+
+    def play(self, params, key, temperature):
+        """(Trajectory, per-episode metrics) of the whole set."""
+        return self.run_from(params, key, self.env_state, self.group_id,
+                             jnp.float32(temperature))
+
+
+def make_eval_set(tag: str, env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
+                  rollout_kwargs: dict, compiler_options=None, run_from=None,
+                  rollout: rollout_lib.Rollout | None = None) -> EvalSet:
+    """An EvalSet of `env_groups x group_size` episodes. Pass an existing `rollout` (and its
+    jitted `run_from`) of the same env and batch size to share its compiled program."""
+    if rollout is None:
+        rollout = rollout_lib.make_rollout(env, tokenizer, model_cfg, env_groups=env_groups,
+                                           group_size=group_size, **rollout_kwargs)
+    if run_from is None:
+        run_from = jax.jit(rollout.run_from.__wrapped__, compiler_options=compiler_options)
+    states, group_id = jax.jit(rollout_lib._initial_states, static_argnums=(0, 3, 4, 5))(
+        env, jax.random.key(0), jnp.int32(0), rollout_lib.VALIDATION, env_groups, group_size)
+    return EvalSet(tag, env, rollout, run_from, states, group_id, group_size)
+
+
+def format_table(results: dict[str, dict[str, float]], columns=TABLE_COLUMNS) -> str:
+    """A plain-text table: one row per env tag."""
+    head = ["env"] + list(columns)
+    rows = [[tag] + [f"{r.get(c, float('nan')):.3f}" for c in columns] for tag, r in results.items()]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])

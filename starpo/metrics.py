@@ -1,0 +1,230 @@
+"""Run logs: metrics.jsonl, TensorBoard events, sample texts, the console summary line, and the
+Echo Trap early warning.
+
+    <workdir>/metrics.jsonl                 one JSON object per logged step: {"step": n, name: x}
+    <workdir>/tb/                           TensorBoard event files (tensorboardX)
+    <workdir>/samples/<name>_<step>.txt     sample texts (dialogues), verbatim
+
+metrics.jsonl is strict JSON: NaN and infinities are written as the strings "nan", "inf" and
+"-inf" (JSON has no such numbers, and null would not say which it was); `read_jsonl` turns them
+back into floats. Every line ends with a newline when complete, so a line without one is a write
+torn by a crash: it is dropped by `read_jsonl`, `truncate_after` and a new `MetricsWriter`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _number(name: str, value) -> float:
+    """A Python / numpy / jax scalar (or one-element array) -> float."""
+    arr = np.asarray(value)
+    if arr.size != 1 or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+        raise ValueError(f"metric {name!r} is not a number: {type(value).__name__} "
+                         f"{arr.dtype}{list(arr.shape)}")
+    return float(arr.reshape(()))
+
+
+def _encode(x: float):
+    return x if math.isfinite(x) else ("nan" if math.isnan(x) else "inf" if x > 0 else "-inf")
+
+
+def _decode(record: dict) -> dict:
+    return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+
+
+def _complete_lines(data: bytes) -> list[bytes]:
+    """The lines of `data` with their newlines, without a torn (newline-less) last line."""
+    return [ln for ln in data.splitlines(keepends=True) if ln.endswith(b"\n")]
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a metrics.jsonl, non-finite values as floats, a torn last line dropped."""
+    with open(path, "rb") as f:
+        lines = _complete_lines(f.read())
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            out.append(_decode(json.loads(line)))
+        except ValueError as e:
+            raise ValueError(f"{path}:{i}: not a JSON object: {e}") from None
+    return out
+
+
+def truncate_after(path: str, step: int) -> None:
+    """Drop the lines of `path` with a step above `step` (and a torn last line): on resume from
+    the checkpoint of `step`, steps logged after it by the interrupted run are logged again.
+    Atomic (temporary file + rename); no file, or nothing to drop: nothing happens."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return
+    keep = []
+    for i, line in enumerate(_complete_lines(data), 1):
+        try:
+            line_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{i}: not a metrics record: {e}") from None
+        if line_step <= step:
+            keep.append(line)
+    new = b"".join(keep)
+    if new == data:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(new)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _summary_writer_class():
+    """tensorboardX.SummaryWriter. tensorboardX imports torch whenever it is installed, only to
+    accept torch tensors: seconds of start-up and a second CUDA runtime in a JAX process. So
+    torch is hidden from it, unless something imported torch already."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
+class MetricsWriter:
+    """Appends to <workdir>/metrics.jsonl and, with `tensorboard`, to event files in
+    <workdir>/tb.
+
+    resume_step: resuming from the checkpoint of this step: `truncate_after` it, and tell
+    TensorBoard to discard events of later steps from the earlier event files (`purge_step`).
+    The JSONL file is reopened for every write, so a `truncate_after` of it at any time is safe.
+    """
+
+    def __init__(self, workdir: str, tensorboard: bool = True, resume_step: int | None = None):
+        os.makedirs(workdir, exist_ok=True)
+        self.workdir = workdir
+        self.path = os.path.join(workdir, METRICS_FILE)
+        # not resuming: only a torn last line goes (appending to it would garble two records)
+        truncate_after(self.path, math.inf if resume_step is None else resume_step)
+        self._tb = None
+        if tensorboard:
+            self._tb = _summary_writer_class()(logdir=os.path.join(workdir, "tb"), flush_secs=30,
+                                     purge_step=None if resume_step is None else resume_step + 1)
+
+    def write(self, step: int, scalars: dict) -> None:
+        """One line {"step": step, **scalars} (values: Python / numpy / jax numbers), and one
+        TensorBoard scalar each; flushed."""
+        if "step" in scalars:
+            raise ValueError("'step' is reserved for the step number")
+        values = {name: _number(name, v) for name, v in scalars.items()}
+        line = json.dumps({"step": int(step), **{k: _encode(v) for k, v in values.items()}},
+                          allow_nan=False)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+        if self._tb is not None:
+            for name, value in values.items():
+                self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+
+    def text(self, step: int, name: str, text: str) -> None:
+        """A sample text: verbatim in <workdir>/samples/<name>_<step>.txt (name with every run
+        of characters other than letters, digits, '.', '-', '_' as '_'), and as TensorBoard
+        text, indented four spaces, which its markdown renders as preformatted (dialogues keep
+        their line breaks and tags)."""
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+        samples = os.path.join(self.workdir, "samples")
+        os.makedirs(samples, exist_ok=True)
+        with open(os.path.join(samples, f"{safe}_{step}.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+        if self._tb is not None:
+            self._tb.add_text(name, "\n".join("    " + ln for ln in text.splitlines()), step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+# ----------------------------------------------------------------------------- console
+# (label, metric name with '*' for one path component, format); in this order
+SUMMARY_KEYS = (
+    ("success", "train/*/success", "{:.2f}"),
+    ("score", "train/*/score", "{:.2f}"),
+    ("val success", "val/*/success", "{:.2f}"),
+    ("entropy", "actor/entropy", "{:.2f}"),
+    ("reward std", "rollout/in_group_std", "{:.2f}"),
+    ("", "timing/step", "{:.1f} s"),
+)
+
+
+def summary_line(step: int, total_steps: int, scalars: dict, keys=SUMMARY_KEYS) -> str:
+    """"step 12/200 | success 0.41 | score 0.35 | entropy 1.20 | reward std 0.31 | 3.1 s".
+
+    Missing metrics are skipped. A pattern matching several names (one validation set per env
+    tag) shows each, labelled with its '*' part: "val success[sokoban] 0.50".
+    """
+    parts = [f"step {step}/{total_steps}"]
+    for label, pattern, fmt in keys:
+        regex = re.compile(re.escape(pattern).replace(r"\*", "([^/]*)"))
+        matches = [(m, name) for name in sorted(scalars) if (m := regex.fullmatch(name))]
+        for m, name in matches:
+            tag = f"[{m.group(1)}]" if len(matches) > 1 else ""
+            value = fmt.format(float(scalars[name]))
+            parts.append(f"{label}{tag} {value}" if label else value)
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- echo trap
+class CollapseDetector:
+    """The paper's 'Echo Trap' early warning: reward std (rollout/in_group_std) and policy
+    entropy (actor/entropy) both fall sharply relative to their recent history.
+
+    `update` is True when, with at least `min_history` (capped at `window`) earlier values
+    recorded, both current values are below `drop` x the median of the previous `window` values.
+    The median, not the mean: one unusually spread batch in the window would lift a mean enough
+    to flag the next ordinary one. The warning marks the fall; once the low values fill the
+    window it goes quiet again. Non-finite values (a metric missing this step) are not recorded
+    and never warn.
+    """
+
+    def __init__(self, window: int = 10, drop: float = 0.5, min_history: int = 5):
+        if window < 1 or min_history < 1:
+            raise ValueError(f"window and min_history must be >= 1, got {window}, {min_history}")
+        # a short window (a config knob) caps the default min_history rather than failing
+        self.window, self.drop, self.min_history = window, drop, min(min_history, window)
+        self._std = collections.deque(maxlen=window)
+        self._entropy = collections.deque(maxlen=window)
+
+    def update(self, reward_std: float, entropy: float) -> bool:
+        reward_std, entropy = float(reward_std), float(entropy)
+        if not (math.isfinite(reward_std) and math.isfinite(entropy)):
+            return False
+        fire = (len(self._std) >= self.min_history
+                and reward_std < self.drop * float(np.median(self._std))
+                and entropy < self.drop * float(np.median(self._entropy)))
+        self._std.append(reward_std)
+        self._entropy.append(entropy)
+        return fire
+
+    def state_dict(self) -> dict:
+        """The recorded history (JSON-able: goes into checkpoint meta)."""
+        return {"reward_std": list(self._std), "entropy": list(self._entropy)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self._std.clear()
+        self._std.extend(float(x) for x in d["reward_std"])
+        self._entropy.clear()
+        self._entropy.extend(float(x) for x in d["entropy"])

@@ -1,0 +1,443 @@
+"""A training run: config -> model, rollouts, update -> the rollout/update loop with validation,
+logging and checkpoints. `launch/train.py` is a thin command line around `train`.
+
+One iteration (a "step") is
+
+    levels (seed counter) -> rollout (jitted, on device) -> update (jitted: filter, old
+    log-probs, advantages, k PPO updates) -> metrics (one host transfer) -> log / checkpoint
+
+Determinism: every random number comes from the config's seed and the step number (rollout key
+= fold_in(seed, step), training levels = seeds step * env_groups + g), so a run resumed from
+a checkpoint at step s continues exactly as an uninterrupted one would.
+Everything of a run lives in its workdir:
+
+    <workdir>/config.json      the run's config (a resumed run must match it)
+    <workdir>/checkpoints/     orbax checkpoints (params, optimiser states, step, seed counter)
+    <workdir>/metrics.jsonl    one flat JSON object per logged step
+    <workdir>/tb/              TensorBoard event files (scalars and sample dialogues)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import envs
+from starpo import checkpoint as ckpt_lib
+from starpo import evaluate
+from starpo import metrics as metrics_lib
+from starpo import rollout as rollout_lib
+from starpo import trainer as trainer_lib
+from starpo import weights
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+# Fields a resumed run may change; any other difference means "this is a different run".
+RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_checkpoints",
+                     "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
+                     "val.before_train")
+
+
+# ----------------------------------------------------------------------------- config
+def enable_compilation_cache(directory: str | None = None) -> None:
+    """Keep compiled programs on disk (JAX's persistent cache): a restarted or resumed run skips
+    the minute of compiling a 135M model's rollout and update."""
+    directory = directory or os.path.join(weights.cache_dir(), "jax")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+
+
+def algo_config(config) -> trainer_lib.AlgoConfig:
+    """The update's knobs: `config.algorithm` plus group size and temperature of the rollout."""
+    return trainer_lib.AlgoConfig(**config.algorithm.to_dict(),
+                                  group_size=config.rollout.group_size,
+                                  temperature=config.rollout.temperature)
+
+
+def rollout_kwargs(config) -> dict:
+    r = config.rollout
+    return dict(max_turn=r.max_turn, max_new_tokens=r.response_length,
+                max_context=r.max_context, thinking=r.enable_think, top_k=r.top_k, top_p=r.top_p,
+                max_actions_per_turn=r.max_actions_per_turn or None,
+                max_actions_per_traj=r.max_actions_per_traj or None)
+
+
+def make_env(config, tag: str):
+    """The env of `tag`: the training env gets the config's options, other tags defaults."""
+    options = config.env.options.to_dict() if tag == config.env.name else {}
+    return envs.make(tag, **options)
+
+
+def tiny_corpus(config) -> list[str]:
+    """Text a `tiny` model's in-process tokenizer is trained on: the envs' own dialogue text."""
+    from envs import text as env_text
+
+    tags = evaluate.parse_tags(config.val.tags, config.env.name)
+    corpus = []
+    for tag in dict.fromkeys((config.env.name,) + tags):
+        t = env_text.make_text(make_env(config, tag))
+        corpus += [t.prefix, *t.pieces, *t.action_names]
+    return corpus
+
+
+def load_policy(config) -> weights.LoadedModel:
+    m = config.model
+    kwargs = dict(dtype=m.dtype, remat=m.remat)
+    if m.path == "tiny" or m.path.startswith("tiny:"):
+        kwargs["tiny_corpus"] = tiny_corpus(config)
+    return weights.load_model(m.path, **kwargs)
+
+
+def critic_params_from(config, actor: weights.LoadedModel):
+    """(critic cfg, params): a value-head copy of the actor (the reference), or model.critic_path."""
+    if config.model.critic_path:
+        c = weights.load_model(config.model.critic_path, dtype=config.model.dtype,
+                               remat=config.model.remat, value_head=True)
+        if c.cfg.vocab_size != actor.cfg.vocab_size:
+            raise ValueError(f"critic {config.model.critic_path} has vocabulary {c.cfg.vocab_size}, "
+                             f"the actor {actor.cfg.vocab_size}")
+        return c.cfg, c.params
+    cfg = actor.cfg.replace(value_head=True)
+    D = cfg.hidden_size
+    params = jax.tree_util.tree_map(jnp.array, actor.params)  # own buffers: the state is donated
+    params["value_head"] = {"kernel": jnp.zeros((D, 1), jnp.float32),
+                            "bias": jnp.zeros((1,), jnp.float32)}
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- the experiment
+@dataclasses.dataclass
+class Experiment:
+    """Everything a run builds once from its config."""
+
+    config: object
+    algo: trainer_lib.AlgoConfig
+    policy: weights.LoadedModel
+    critic_cfg: object
+    env: object
+    rollout: rollout_lib.Rollout
+    run_rollout: object  # jitted run_from(params, key, env_state, group_id, temperature)
+    initial_states: object  # jitted (key, seed) -> (env_state, group_id)
+    update: object
+    val_sets: dict
+    compiler_options: dict | None
+    critic_params: object = None  # the critic's initial weights (None without a critic)
+
+
+def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
+    """Model, envs, the training rollout, the update and the validation sets of a config."""
+    algo = algo_config(config)
+    r = config.rollout
+    if r.env_groups < 1 or r.group_size < 1:
+        raise ValueError(f"rollout.env_groups and rollout.group_size must be >= 1, got "
+                         f"{r.env_groups} and {r.group_size}")
+    if config.trainer.total_steps < 0:
+        raise ValueError(f"trainer.total_steps must be >= 0, got {config.trainer.total_steps}")
+    env = make_env(config, config.env.name)
+    tags = evaluate.parse_tags(config.val.tags, config.env.name)
+    policy = policy or load_policy(config)
+    options = FAST_COMPILE if config.trainer.fast_compile else None
+    kwargs = rollout_kwargs(config)
+    B = r.env_groups * r.group_size
+    ro = rollout_lib.make_rollout(env, policy.tokenizer, policy.cfg, env_groups=r.env_groups,
+                                  group_size=r.group_size, **kwargs)
+    run_rollout = jax.jit(ro.run_from.__wrapped__, compiler_options=options)
+    initial_states = jax.jit(
+        lambda key, seed: rollout_lib._initial_states(env, key, seed, rollout_lib.TRAIN,
+                                                      r.env_groups, r.group_size))
+    critic_cfg, critic_params = critic_params_from(config, policy) if algo.uses_critic else (
+        None, None)
+    update = trainer_lib.make_update(algo, policy.cfg, critic_cfg, compiler_options=options)
+
+    val_sets = {}
+    v = config.val
+    for tag in tags:
+        venv = make_env(config, tag)
+        same = venv == env and v.env_groups * v.group_size == B
+        val_sets[tag] = evaluate.make_eval_set(
+            tag, venv, policy.tokenizer, policy.cfg, env_groups=v.env_groups,
+            group_size=v.group_size, rollout_kwargs=kwargs, compiler_options=options,
+            rollout=ro if same else None, run_from=run_rollout if same else None)
+    return Experiment(config, algo, policy, critic_cfg, env, ro, run_rollout, initial_states,
+                      update, val_sets, options, critic_params)
+
+
+def initial_train_state(exp: Experiment) -> trainer_lib.TrainState:
+    """A fresh TrainState holding its own copies of the initial weights (the update donates
+    its state, and the experiment may start several runs)."""
+    copy = lambda tree: jax.tree_util.tree_map(jnp.array, tree)  # noqa: E731
+    critic = None if exp.critic_params is None else copy(exp.critic_params)
+    return trainer_lib.init_train_state(exp.algo, copy(exp.policy.params), critic)
+
+
+def step_keys(seed: int, step: int):
+    """(rollout key, mini-batch order key) of a step: from the seed and the step alone."""
+    k = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.fold_in(k, 0), jax.random.fold_in(k, 1)
+
+
+def val_key(seed: int):
+    return jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
+
+
+# ----------------------------------------------------------------------------- one step
+def validate(exp: Experiment, params, writer=None, step: int = 0) -> dict[str, float]:
+    """Play every validation set at `val.temperature`; scalars named val/<tag>/<name>."""
+    out = {}
+    t0 = time.perf_counter()
+    for tag, vs in exp.val_sets.items():
+        traj, m = vs.play(params, val_key(exp.config.seed), exp.config.val.temperature)
+        for name, value in evaluate.summarize(traj, m, vs.group_size).items():
+            out[f"val/{tag}/{name}"] = value
+        if writer is not None:
+            for row in range(min(exp.config.trainer.log_samples, traj.tokens.shape[0])):
+                writer.text(step, f"val/{tag}/dialogue_{row}",
+                            evaluate.dialogue(exp.policy.tokenizer, traj, row))
+    out["timing/val"] = time.perf_counter() - t0
+    return out
+
+
+def train_step(exp: Experiment, state, step: int):
+    """One rollout -> update iteration. Returns (state, scalars)."""
+    c = exp.config
+    t0 = time.perf_counter()
+    k_roll, k_update = step_keys(c.seed, step)
+    env_state, group_id = exp.initial_states(jax.random.key(c.seed),
+                                             jnp.int32(step * c.rollout.env_groups))
+    traj, m = exp.run_rollout(state.actor_params, k_roll, env_state, group_id,
+                              jnp.float32(c.rollout.temperature))
+    traj = jax.block_until_ready(traj)
+    t1 = time.perf_counter()
+    state, um = exp.update(state, traj, k_update)
+    um = jax.device_get(um)
+    t2 = time.perf_counter()
+    out = {k: float(v) for k, v in um.items()}
+    for name, value in evaluate.summarize(traj, m, c.rollout.group_size).items():
+        out[f"train/{c.env.name}/{name}"] = value
+    kept = round(exp.algo.rollout_filter_ratio * c.rollout.env_groups) / c.rollout.env_groups
+    trained_tokens = float(jax.device_get(traj.length.sum())) * kept
+    out.update({
+        "timing/rollout": t1 - t0, "timing/update": t2 - t1, "timing/step": t2 - t0,
+        "perf/rollout_tokens_per_s": out[f"train/{c.env.name}/generated_tokens"] / (t1 - t0),
+        "perf/update_tokens_per_s": trained_tokens * (1 + out["trainer/updates_per_batch"]
+                                                      * exp.algo.ppo_epochs) / (t2 - t1),
+        "env/seed_counter": float((step + 1) * c.rollout.env_groups),
+    })
+    return state, out
+
+
+# ----------------------------------------------------------------------------- the run
+class _Stop:
+    """SIGTERM / Ctrl-C: finish the current step, checkpoint, exit. A second Ctrl-C aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a test runner thread)
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def config_json(config) -> str:
+    return config.to_json_best_effort(sort_keys=True)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resumable(saved_json: str, config) -> None:
+    """A workdir's saved config must equal this one except for RESUMABLE_CHANGES."""
+    saved, now = _flat(json.loads(saved_json)), _flat(json.loads(config_json(config)))
+    for key in sorted(set(saved) | set(now)):
+        if key in RESUMABLE_CHANGES:
+            continue
+        if saved.get(key, "<absent>") != now.get(key, "<absent>"):
+            raise ValueError(f"the workdir holds a run with {key}={saved.get(key, '<absent>')!r}, "
+                             f"this config has {now.get(key, '<absent>')!r}; use a new --workdir "
+                             f"(changeable on resume: {', '.join(RESUMABLE_CHANGES)})")
+
+
+def check_workdir(workdir: str, config) -> bool:
+    """Create the workdir if needed and check it is writable and, if it holds a run, that the
+    run has this config. Returns True when there is a run to resume. Writes nothing else."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+    path = os.path.join(workdir, "config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            check_resumable(f.read(), config)
+        return True
+    return False
+
+
+def write_config(workdir: str, config) -> None:
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(config_json(config))
+    os.replace(path + ".tmp", path)
+
+
+def train(config, workdir: str, *, progress: bool = True, stop_after: int | None = None,
+          experiment: Experiment | None = None, log=print) -> dict:
+    """Run (or resume) the training run of `config` in `workdir`.
+
+    stop_after: end after this many steps of this call, as an interruption would (checkpoint
+    saved), to test resuming. experiment: a `build(config)` to reuse (tests share compiled
+    programs between runs; it must come from an equal config). Returns the last logged scalars.
+    """
+    from tqdm import tqdm
+
+    resuming = check_workdir(workdir, config)
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                 keep=config.trainer.keep_checkpoints)
+    t_build = time.perf_counter()
+    exp = experiment or build(config)  # a bad model or env fails here, before anything is written
+    if not resuming:
+        write_config(workdir, config)
+    start, detector = 0, metrics_lib.CollapseDetector(window=config.trainer.collapse_window)
+    if resuming and ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(None, jax.eval_shape(lambda: initial_train_state(exp)))
+        start = int(meta["step"])
+        detector.load_state_dict(meta["collapse_detector"])
+        log(f"resuming {workdir} from step {start}")
+    else:
+        state = initial_train_state(exp)
+    # a resumed run drops what an interrupted one logged after its checkpoint
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else -1)
+    log(f"built in {time.perf_counter() - t_build:.1f} s: {exp.policy.source} "
+        f"({exp.policy.cfg.num_params / 1e6:.1f}M params), env {exp.env.name}, "
+        f"{config.rollout.env_groups}x{config.rollout.group_size} episodes per step, "
+        f"{jax.devices()[0].platform} x{jax.device_count()}; "
+        f"the first step and validation compile (slow)")
+
+    total, last = config.trainer.total_steps, {}
+    v = config.val
+
+    def save(step):
+        ckpt.save(step, state, {"step": step, "env_seed_counter": step * config.rollout.env_groups,
+                                "seed": config.seed, "config": json.loads(config_json(config)),
+                                "collapse_detector": detector.state_dict()})
+
+    with _Stop() as stop:
+        if start == 0 and v.before_train:
+            last = validate(exp, state.actor_params, writer, 0)
+            writer.write(0, last)
+            log(metrics_lib.summary_line(0, total, last))
+        bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
+                   desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        done_here = 0
+        for step in bar:
+            state, scalars = train_step(exp, state, step)
+            n = step + 1
+            collapse = detector.update(scalars.get("rollout/in_group_std", float("nan")),
+                                       scalars.get("actor/entropy", float("nan")))
+            scalars["warning/echo_trap"] = float(collapse)
+            if v.test_freq > 0 and n % v.test_freq == 0:
+                scalars.update(validate(exp, state.actor_params, writer, n))
+            writer.write(n, scalars)
+            last = scalars
+            (bar.write if progress else log)(metrics_lib.summary_line(n, total, scalars))
+            if collapse:
+                log(f"warning: step {n}: reward std and entropy both fell sharply (Echo Trap); "
+                    "consider a lower lr, the StarPO-S filter or a critic")
+            done_here += 1
+            end = (n == total or stop.requested or (stop_after is not None and done_here >= stop_after)
+                   or (collapse and config.trainer.stop_on_collapse))
+            if end or (config.trainer.save_freq > 0 and n % config.trainer.save_freq == 0):
+                save(n)
+            if end:
+                break
+        bar.close()
+        if stop.requested:
+            log(f"stopped at step {state_step(state)}; the same command resumes the run")
+    writer.close()
+    ckpt.close()
+    return last
+
+
+def state_step(state) -> int:
+    return int(jax.device_get(state.step))
+
+
+# ----------------------------------------------------------------------------- finished runs
+def config_from_json(text: str):
+    """A run's saved config.json back as a locked ConfigDict (lists back to tuples)."""
+    import ml_collections
+
+    def tuples(x):
+        if isinstance(x, dict):
+            return {k: tuples(v) for k, v in x.items()}
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
+    c = ml_collections.ConfigDict(tuples(json.loads(text)))
+    c.lock()
+    return c
+
+
+def find_run(path: str) -> str:
+    """The workdir of `path`: a workdir, its checkpoints/ folder or one checkpoint in it."""
+    p = os.path.abspath(path)
+    for _ in range(3):
+        if os.path.isfile(os.path.join(p, "config.json")) and os.path.isdir(
+                os.path.join(p, "checkpoints")):
+            return p
+        p = os.path.dirname(p)
+    raise FileNotFoundError(f"{path} is not a training workdir (no config.json and checkpoints/)")
+
+
+def load_run(path: str, step: int | None = None):
+    """(config, policy with the checkpoint's actor weights, step) of a saved run.
+
+    `path`: a workdir (its latest checkpoint, or `step`), or a checkpoint folder in it."""
+    workdir = find_run(path)
+    if step is None and os.path.basename(os.path.normpath(path)).isdigit():
+        step = int(os.path.basename(os.path.normpath(path)))
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+        config = config_from_json(f.read())
+    policy = load_policy(config)
+    directory = os.path.join(workdir, "checkpoints")
+    if step is None:
+        reader = ckpt_lib.Checkpointer(directory, read_only=True)
+        step = reader.latest_step()
+        reader.close()
+        if step is None:
+            raise FileNotFoundError(f"{workdir} has no complete checkpoint")
+    params = ckpt_lib.load_params(directory, step, jax.eval_shape(lambda p: p, policy.params))
+    policy = dataclasses.replace(policy, params=params, source=f"{workdir}@{step}")
+    return config, policy, step

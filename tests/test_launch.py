@@ -1,0 +1,110 @@
+"""Configs and the command lines' handling of bad input: one line `error: ...`, exit status 2,
+nothing half-written. (Training itself is tested in test_training.py.)"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import bandit, common, frozenlake, sokoban
+from starpo import training, trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("module", [frozenlake, bandit, sokoban])
+@pytest.mark.parametrize("variant", [None, "cpu", "tiny"])
+def test_every_config_builds_its_algorithm(module, variant):
+    c = module.get_config(variant)
+    algo = training.algo_config(c)
+    assert algo.group_size == c.rollout.group_size and algo.temperature == c.rollout.temperature
+    training.make_env(c, c.env.name)  # the env options are valid
+    assert c.is_locked
+
+
+def test_paper_defaults():
+    """The variant-less configs carry the reference's settings (REFERENCE.md section 4)."""
+    c = frozenlake.get_config()
+    r, a = c.rollout, c.algorithm
+    assert (r.env_groups, r.group_size, r.max_turn, r.response_length, r.max_context) == (
+        8, 16, 5, 400, 3600)
+    assert (c.val.env_groups, c.val.group_size, c.val.temperature, c.val.test_freq) == (
+        256, 1, 0.5, 10)
+    assert (a.adv_estimator, a.gamma, a.lam, a.rollout_filter_ratio, a.rollout_filter_type) == (
+        "gae", 1.0, 1.0, 0.25, "std")
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.entropy_coeff) == (
+        0.2, 0.28, 3.0, 0.001)
+    assert (a.actor_lr, a.critic_lr, a.ppo_mini_batch_size, a.cliprange_value) == (
+        1e-6, 1e-5, 32, 0.5)
+    assert not a.use_kl_loss and a.kl_loss_coef == 0.0 and a.loss_agg_mode == "token-mean"
+    assert c.trainer.total_steps == 200 and r.temperature == 1.0
+    # every AlgoConfig knob is configurable, under its own name
+    assert set(a.keys()) == set(common.algorithm_defaults())
+    assert set(common.algorithm_defaults()) | {"group_size", "temperature"} == {
+        f for f in trainer.AlgoConfig.__dataclass_fields__}
+
+
+def test_resume_accepts_only_harmless_changes():
+    c = frozenlake.get_config("tiny")
+    saved = training.config_json(c)
+    training.check_resumable(saved, c)
+    longer = frozenlake.get_config("tiny")
+    longer.unlock()
+    longer.trainer.total_steps = 999
+    training.check_resumable(saved, longer)
+    other = frozenlake.get_config("tiny")
+    other.unlock()
+    other.rollout.temperature = 0.7
+    with pytest.raises(ValueError, match="rollout.temperature"):
+        training.check_resumable(saved, other)
+    # a saved config reads back equal (tuples survive the JSON round trip)
+    s = sokoban.get_config()
+    assert training.config_json(training.config_from_json(training.config_json(s))) == \
+        training.config_json(s)
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("--config.rollout.temprature=0.7", ["unknown config key", "rollout.temprature"]),
+    ("--config.rollout.group_size=abc", ["rollout.group_size", "abc"]),
+    ("--config.nothing.here=1", ["unknown config key", "nothing.here"]),
+])
+def test_bad_override_fails_at_start_naming_the_key(tmp_path, override, words):
+    p = run_cli("launch/train.py", "--config=configs/frozenlake.py:tiny", override,
+                f"--workdir={tmp_path / 'run'}")
+    assert p.returncode == 2, p.stderr
+    last = p.stderr.strip().splitlines()
+    assert len(last) == 1 and last[0].startswith("error: "), p.stderr
+    for w in words:
+        assert w in last[0]
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_bad_variant_missing_model_and_unwritable_workdir(tmp_path):
+    p = run_cli("launch/train.py", "--config=configs/frozenlake.py:gpu", f"--workdir={tmp_path}/a")
+    assert p.returncode == 2 and "unknown config variant 'gpu'" in p.stderr, p.stderr
+
+    p = run_cli("launch/train.py", "--config=configs/frozenlake.py:tiny",
+                f"--config.model.path={tmp_path}/no_such_model", f"--workdir={tmp_path}/b")
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "no_such_model" in lines[-1], p.stderr
+    assert not os.path.exists(tmp_path / "b" / "config.json")
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    p = run_cli("launch/train.py", "--config=configs/frozenlake.py:tiny",
+                f"--workdir={blocker}/run")
+    assert p.returncode == 2 and "not writable" in p.stderr, p.stderr
+
+
+def test_eval_and_export_need_a_run(tmp_path):
+    p = run_cli("launch/eval.py", f"--checkpoint={tmp_path}")
+    assert p.returncode == 2 and "not a training workdir" in p.stderr, p.stderr
+    p = run_cli("launch/export.py", f"--checkpoint={tmp_path}", f"--out={tmp_path}/x")
+    assert p.returncode == 2 and "not a training workdir" in p.stderr, p.stderr

@@ -1,0 +1,179 @@
+"""starpo.metrics: JSONL format and resume, TensorBoard events, summary line, CollapseDetector."""
+
+import glob
+import json
+import math
+import os
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starpo.metrics import (METRICS_FILE, CollapseDetector, MetricsWriter, read_jsonl,
+                            summary_line, truncate_after)
+
+
+def read_events(logdir):
+    """Every tensorboard Event in the event files of `logdir` (TFRecord framing: length,
+    its crc, payload, its crc)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        data = open(path, "rb").read()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            events.append(event_pb2.Event.FromString(data[pos + 12:pos + 12 + length]))
+            pos += 12 + length + 4
+    return events
+
+
+def test_jsonl_format(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    w.write(3, {"a/b": np.float32(0.5), "c": jnp.float32(2.0), "n": 7, "flag": True,
+                "arr": np.array([1.25]), "nan": math.nan, "inf": np.inf, "ninf": -np.inf})
+    w.close()
+    raw = open(tmp_path / METRICS_FILE).read()
+    assert raw.endswith("\n") and raw.count("\n") == 1
+
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    line = json.loads(raw, parse_constant=no_constants)
+    assert line == {"step": 3, "a/b": 0.5, "c": 2.0, "n": 7.0, "flag": 1.0, "arr": 1.25,
+                    "nan": "nan", "inf": "inf", "ninf": "-inf"}
+    assert all(type(v) is float for k, v in line.items() if k not in ("step", "nan", "inf",
+                                                                      "ninf"))
+    (rec,) = read_jsonl(str(tmp_path / METRICS_FILE))
+    assert math.isnan(rec["nan"]) and rec["inf"] == math.inf and rec["ninf"] == -math.inf
+
+
+def test_rejects_non_scalars(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    with pytest.raises(ValueError, match="'v' is not a number"):
+        w.write(1, {"v": np.zeros(3)})
+    with pytest.raises(ValueError, match="reserved"):
+        w.write(1, {"step": 1})
+    assert not os.path.exists(tmp_path / METRICS_FILE)  # nothing half-written
+
+
+def test_append_and_resume_truncate(tmp_path):
+    path = str(tmp_path / METRICS_FILE)
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in range(1, 6):
+        w.write(step, {"x": step})
+    w.close()
+    # the crash tore a line in half
+    with open(path, "a") as f:
+        f.write('{"step": 6, "x"')
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4, 5]
+
+    # the run resumes from the checkpoint of step 3: 4, 5 and the torn 6 go
+    w = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=3)
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
+    for step in (4, 5):
+        w.write(step, {"x": 10 * step})
+    w.close()
+    assert [(r["step"], r["x"]) for r in read_jsonl(path)] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+
+    # truncate_after after the writer opened (the file is replaced underneath it) still works
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    truncate_after(path, 4)
+    w.write(5, {"x": 0})
+    w.close()
+    assert [(r["step"], r["x"]) for r in read_jsonl(path)][-2:] == [(4, 40.0), (5, 0.0)]
+    truncate_after(str(tmp_path / "missing.jsonl"), 0)  # no file: nothing to do
+
+
+def test_new_writer_drops_torn_line(tmp_path):
+    path = str(tmp_path / METRICS_FILE)
+    with open(path, "w") as f:
+        f.write('{"step": 1, "x": 1.0}\n{"step": 2, "x"')
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    w.write(2, {"x": 2.0})
+    w.close()
+    assert read_jsonl(path) == [{"step": 1, "x": 1.0}, {"step": 2, "x": 2.0}]
+
+
+def test_tensorboard_events_and_samples(tmp_path):
+    w = MetricsWriter(str(tmp_path))
+    w.write(1, {"actor/entropy": 1.5, "rollout/in_group_std": np.float32(0.25)})
+    w.write(2, {"actor/entropy": 1.25})
+    dialogue = "<|im_start|>user\nmove?<|im_end|>\n<answer>Up</answer>"
+    w.text(2, "val/sokoban/dialogue_0", dialogue)
+    w.close()
+    events = read_events(str(tmp_path / "tb"))
+    scalars = [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value
+               if v.HasField("simple_value")]
+    assert scalars == [(1, "actor/entropy", 1.5), (1, "rollout/in_group_std", 0.25),
+                       (2, "actor/entropy", 1.25)]
+    texts = [(e.step, v.tag) for e in events for v in e.summary.value
+             if not v.HasField("simple_value")]
+    assert texts and texts[0][0] == 2 and texts[0][1].startswith("val/sokoban/dialogue_0")
+    sample = tmp_path / "samples" / "val_sokoban_dialogue_0_2.txt"
+    assert sample.read_text() == dialogue
+
+
+def test_summary_line():
+    scalars = {"train/sokoban/success": 0.414, "train/sokoban/score": 0.35,
+               "actor/entropy": np.float32(1.2), "timing/step": 3.14, "actor/loss": 9.0}
+    assert summary_line(12, 200, scalars) == (
+        "step 12/200 | success 0.41 | score 0.35 | entropy 1.20 | 3.1 s")
+    two_vals = {"val/a/success": 0.5, "val/b/success": math.nan}
+    assert summary_line(0, 5, two_vals) == (
+        "step 0/5 | val success[a] 0.50 | val success[b] nan")
+    assert summary_line(1, 5, {"x": 2.0}, keys=(("x", "x", "{:.0f}"),)) == "step 1/5 | x 2"
+
+
+def falling_series(n=30, fall_at=20, seed=0):
+    """Noisy reward std and entropy that halve, then halve again, from step `fall_at`."""
+    rng = np.random.default_rng(seed)
+    std = 0.4 + 0.05 * rng.standard_normal(n)
+    ent = 1.5 + 0.1 * rng.standard_normal(n)
+    std[fall_at:] *= 0.3
+    ent[fall_at:] *= 0.3
+    return std, ent
+
+
+def test_collapse_detector_fires_on_a_fall_only():
+    std, ent = falling_series()
+    det = CollapseDetector(window=10, drop=0.5, min_history=5)
+    fired = [det.update(s, e) for s, e in zip(std, ent)]
+    assert fired[20] and not any(fired[:20])
+
+    # noisy but flat: never (heavy noise, occasional spikes included)
+    rng = np.random.default_rng(1)
+    det = CollapseDetector()
+    flat_std = np.abs(0.4 + 0.1 * rng.standard_normal(200))
+    flat_std[::17] = 2.0
+    flat_ent = 1.5 + 0.15 * rng.standard_normal(200)
+    assert not any(det.update(s, e) for s, e in zip(flat_std, flat_ent))
+
+    # only one of the two falling: not the Echo Trap
+    det = CollapseDetector()
+    assert not any(det.update(s, e) for s, e in zip(std, np.full(30, 1.5)))
+
+    # not before min_history values; non-finite values neither warn nor count
+    det = CollapseDetector(window=10, min_history=5)
+    assert [det.update(v, v) for v in (1.0, 1.0, math.nan, 1.0, 1.0, 0.1, 0.1)] == [
+        False, False, False, False, False, False, True]
+    det = CollapseDetector(window=2)  # min_history capped at the window
+    assert [det.update(v, v) for v in (1.0, 1.0, 0.1)] == [False, False, True]
+
+
+def test_collapse_detector_state_dict_round_trip():
+    std, ent = falling_series(n=40, fall_at=25, seed=2)
+    straight = CollapseDetector(window=8)
+    expected = [straight.update(s, e) for s, e in zip(std, ent)]
+    assert any(expected)
+
+    first = CollapseDetector(window=8)
+    got = [first.update(s, e) for s, e in zip(std[:22], ent[:22])]
+    saved = json.loads(json.dumps(first.state_dict()))  # as it travels in checkpoint meta
+    resumed = CollapseDetector(window=8)
+    resumed.load_state_dict(saved)
+    got += [resumed.update(s, e) for s, e in zip(std[22:], ent[22:])]
+    assert got == expected
