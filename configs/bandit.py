@@ -18,7 +18,10 @@ def get_config(arg=None):
         c.rollout.max_turn = 1
     elif v == "tiny":
         common.tiny(c)
-        c.rollout.max_turn = 1
-        c.val.tags = "Bandit"
+        c.rollout.update(dict(max_turn=1, env_groups=8, group_size=8))
+        c.val.update(dict(tags="Bandit", test_freq=5))
+        c.algorithm.update(dict(actor_lr=1e-2, ppo_mini_batch_size=64, micro_batch_size=64,
+                                entropy_coeff=0.0))
+        c.trainer.update(dict(total_steps=20, save_freq=10))
     c.lock()
     return c

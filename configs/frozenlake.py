@@ -18,6 +18,8 @@ def get_config(arg=None):
         common.cpu(c)
     elif v == "tiny":
         common.tiny(c)
-        c.env.options.is_slippery = False
+        # a 3x3 non-slippery lake: within a CI-sized budget (40 steps) a from-scratch model
+        # gets to ~0.3-0.4 success here; 4x4 learns more slowly (see the session notes)
+        c.env.options.update(dict(is_slippery=False, size=3))
     c.lock()
     return c

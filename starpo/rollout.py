@@ -172,6 +172,61 @@ def build_tables(tokenizer, etext: env_text.EnvText, max_turn: int, max_tokens: 
                           env_offset, np.array(close_by_eos, np.int32), np.array(eos, np.int32))
 
 
+class _ChatMLText:
+    """Just enough of a Tokenizer for `build_tables` to list the dialogue's strings (ChatML)."""
+
+    eos_ids = ()
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        import jinja2
+
+        from starpo.tokenizer import CHATML_TEMPLATE
+        return jinja2.Template(CHATML_TEMPLATE).render(
+            messages=messages, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text):
+        return []
+
+
+def dialogue_corpus(env, *, max_turn: int = 5, max_new_tokens: int = 100, thinking: bool = True,
+                    max_actions_per_turn: int | None = None,
+                    max_actions_per_traj: int | None = None, length_prompt: int | None = None,
+                    answer_repeats: int = 50) -> list[str]:
+    """Training text for a compact tiny tokenizer (`Tokenizer.tiny(..., split="none",
+    alphabet="corpus", builtin_corpus=False)`): every piece of dialogue text a rollout of `env`
+    with these settings renders through the ChatML template (system prompt, env prefix, turn
+    headers and footers, reward digits, state pieces), then each action name followed by
+    `</answer>`, repeated `answer_repeats` times so that whole answers become single tokens."""
+    pieces = dialogue_pieces(env, max_turn=max_turn, max_new_tokens=max_new_tokens,
+                             thinking=thinking, max_actions_per_turn=max_actions_per_turn,
+                             max_actions_per_traj=max_actions_per_traj,
+                             length_prompt=length_prompt)
+    return pieces + [name + "</answer>" for name in env.action_names] * answer_repeats
+
+
+def dialogue_pieces(env, *, max_turn: int = 5, max_new_tokens: int = 100, thinking: bool = True,
+                    max_actions_per_turn: int | None = None,
+                    max_actions_per_traj: int | None = None,
+                    length_prompt: int | None = None) -> list[str]:
+    """The strings `build_tables` tokenises for a rollout of `env` with these settings (ChatML
+    template; chat-template pieces include the special tokens' text)."""
+    etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
+    tables = build_tables(_ChatMLText(), etext, max_turn, length_prompt or max_new_tokens,
+                          thinking)
+    return [s for s in tables.strings if s]
+
+
+def template_strings(env, **settings) -> list[str]:
+    """The long fixed texts of the dialogue (`dialogue_pieces` of 8 or more characters without
+    a chat-template special token, plus the system prompt): candidates for whole-string
+    tokens (`Tokenizer.tiny(added_tokens=...)`) that make the context short."""
+    out = [SYSTEM_PROMPT]
+    for s in dialogue_pieces(env, **settings):
+        if len(s) >= 8 and "<|" not in s and s not in out:
+            out.append(s)
+    return out
+
+
 def assemble(tables: DialogueTables, piece_ids, width: int):
     """Gather-and-concatenate: piece_ids [B,K] (-1 or 0 = nothing) -> (chunk [B,width] int32,
     valid [B,width] bool), tokens left-aligned. Pieces beyond `width` are cut (callers size
@@ -214,13 +269,21 @@ def reward_pieces(tables: DialogueTables, reward, ran):
 
 
 # ------------------------------------------------------------------------------ parsing
-def parse_byte_table(tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token bytes for parsing: special tokens count as no text (skip_special_tokens)."""
-    tb = list(tokenizer.token_bytes())
+def parse_byte_table(tokenizer, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token bytes for parsing: special tokens count as no text (skip_special_tokens).
+    `vocab_size`: rows of the table (a model's embedding table may be larger than the
+    tokenizer's vocabulary; ids without a token are no text)."""
+    tb = _padded_token_bytes(tokenizer, vocab_size)
     for i in tokenizer.hf.all_special_ids:
         if 0 <= i < len(tb):
             tb[i] = b""
     return sampler_lib.byte_table(tb)
+
+
+def _padded_token_bytes(tokenizer, vocab_size: int | None = None) -> list[bytes]:
+    """`tokenizer.token_bytes()`, padded with empty strings up to `vocab_size` ids."""
+    tb = list(tokenizer.token_bytes())
+    return tb + [b""] * max(0, (vocab_size or 0) - len(tb))
 
 
 def reply_bytes(tokens, length, table, lengths, prime: bytes):
@@ -683,7 +746,8 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                  max_turn: int = 5, max_new_tokens: int = 100, max_context: int = 2048,
                  thinking: bool = True, top_k: int = 0, top_p: float = 1.0,
                  max_actions_per_turn: int | None = None, max_actions_per_traj: int | None = None,
-                 tag: int = 0, cache_dtype=None, length_prompt: int | None = None) -> Rollout:
+                 tag: int = 0, cache_dtype=None, length_prompt: int | None = None,
+                 compiler_options: dict | None = None) -> Rollout:
     """A jitted full rollout of `env_groups x group_size` episodes of `env`.
 
     `Rollout.run(params, key, seed, temperature, stream)` -> (Trajectory, metrics):
@@ -695,14 +759,17 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     reference's per-turn averages), num_turns, num_parsed_actions, num_valid_actions,
     num_effective_actions, format_errors, truncated, context_used, response_length.
     Trajectory length T = max_context. `length_prompt` is the N of the prompt's "Max response
-    length: N words (tokens)" (default max_new_tokens, as the reference).
+    length: N words (tokens)" (default max_new_tokens, as the reference). `compiler_options`
+    go to `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster compiles of tiny models
+    on CPU).
     """
     etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
     tables = build_tables(tokenizer, etext, max_turn, length_prompt or max_new_tokens, thinking)
     smp = sampler_lib.make_sampler(model_cfg, tokenizer, max_new_tokens,
                                    stop=("</answer>",), top_k=top_k, top_p=top_p)
-    stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(tokenizer.token_bytes()))
-    parse_table = parse_byte_table(tokenizer)
+    stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(
+        _padded_token_bytes(tokenizer, model_cfg.vocab_size)))
+    parse_table = parse_byte_table(tokenizer, model_cfg.vocab_size)
     spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
 
     def run_from(params, key, env_state, group_id, temperature):
@@ -726,7 +793,8 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                                               group_size)
         return run_from(params, key, env_state, group_id, temperature)
 
-    return Rollout(jax.jit(run), jax.jit(run_from), spec, etext, tables, smp)
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
+    return Rollout(jit(run), jit(run_from), spec, etext, tables, smp)
 
 
 def append_without_reply(cfg, params, state: sampler_lib.SamplerState, chunk):

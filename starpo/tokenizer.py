@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Iterable, Sequence
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
@@ -176,16 +177,56 @@ class Tokenizer:
         return cls(hf, _with_end_of_turn(hf, eos), pad)
 
     @classmethod
-    def tiny(cls, corpus: Iterable[str] = (), vocab_size: int = 384) -> "Tokenizer":
-        """A small byte-level BPE trained in-process: deterministic, no download."""
+    def tiny(cls, corpus: Iterable[str] = (), vocab_size: int = 384, *, split: str = "gpt2",
+             alphabet: str = "bytes", added_tokens: Sequence[str] = (),
+             builtin_corpus: bool = True, min_frequency: int = 2) -> "Tokenizer":
+        """A small byte-level BPE trained in-process: deterministic, no download.
+
+        The defaults are the test tokenizer (GPT-2 pre-tokenizer, all 256 bytes, merges learned
+        from `corpus` plus a built-in dialogue corpus). The options make a compact tokenizer
+        for RL from scratch, trained on an env's own dialogue (`rollout.dialogue_corpus`):
+          split: "gpt2" (GPT-2 regex), "words" (runs of non-space with their leading space:
+            `Left</answer>` is one word) or "none" (merges may cross spaces and punctuation, so
+            repeated template text becomes a few tokens);
+          alphabet: "bytes" (all 256 byte symbols) or "corpus" (only the bytes that occur in
+            the training text: a smaller vocabulary, but text with other bytes cannot be
+            encoded -- those bytes are dropped, so only use it for text like the corpus);
+          added_tokens: strings that are always one token (non-special, decoded as text;
+            e.g. long fixed template text), left out of the text the merges are learned from;
+          builtin_corpus: also learn from the built-in agent-dialogue corpus.
+        The vocabulary is the 3 ChatML specials, the alphabet, the added tokens and up to
+        `vocab_size` - (specials + alphabet + added tokens) merges (fewer if the corpus runs out of pairs seen
+        `min_frequency` times).
+        """
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        texts = list(corpus) + ([_TINY_CORPUS] if builtin_corpus else [])
+        if alphabet == "bytes":
+            initial = pre_tokenizers.ByteLevel.alphabet()
+        elif alphabet == "corpus":
+            b2u = _bytes_to_unicode()
+            initial = sorted({b2u[b] for t in texts + list(added_tokens) for b in t.encode("utf-8")})
+        else:
+            raise ValueError(f"alphabet must be 'bytes' or 'corpus', got {alphabet!r}")
         raw = RawTokenizer(models.BPE())
-        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if split == "gpt2":
+            raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        elif split == "words":
+            raw.pre_tokenizer = _split_then_bytes(r" ?\S+|\s+")
+        elif split == "none":
+            raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        else:
+            raise ValueError(f"split must be 'gpt2', 'words' or 'none', got {split!r}")
         raw.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
-        raw.train_from_iterator(list(corpus) + [_TINY_CORPUS], trainer=trainer)
+            vocab_size=vocab_size - len(added_tokens), special_tokens=specials,
+            show_progress=False, initial_alphabet=initial, min_frequency=min_frequency)
+        if added_tokens:  # merges are learned from the text around the added tokens only
+            cut = re.compile("|".join(re.escape(t) for t in sorted(added_tokens, key=len,
+                                                                     reverse=True)))
+            texts = [part for t in texts for part in cut.split(t) if part]
+        raw.train_from_iterator(texts, trainer=trainer)
+        if added_tokens:
+            raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
         hf = PreTrainedTokenizerFast(
             tokenizer_object=raw, chat_template=CHATML_TEMPLATE, bos_token="<|im_start|>",
             eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,

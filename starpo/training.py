@@ -75,23 +75,30 @@ def make_env(config, tag: str):
     return envs.make(tag, **options)
 
 
-def tiny_corpus(config) -> list[str]:
-    """Text a `tiny` model's in-process tokenizer is trained on: the envs' own dialogue text."""
-    from envs import text as env_text
-
-    tags = evaluate.parse_tags(config.val.tags, config.env.name)
-    corpus = []
-    for tag in dict.fromkeys((config.env.name,) + tags):
-        t = env_text.make_text(make_env(config, tag))
-        corpus += [t.prefix, *t.pieces, *t.action_names]
-    return corpus
+def tiny_tokenizer_args(config) -> tuple[list[str], dict]:
+    """(corpus, Tokenizer.tiny options) of a `tiny` model's in-process tokenizer: a compact BPE
+    learned from the run's own dialogue text (every env it plays), with the long fixed template
+    texts as whole tokens and whole answers such as `Left</answer>` as single tokens, so that a
+    random-init model writes a valid answer with probability ~ actions / vocabulary per turn
+    (with the 384-token byte-level default it is ~1e-4 and RL from scratch never starts)."""
+    r = config.rollout
+    settings = dict(max_turn=r.max_turn, max_new_tokens=r.response_length,
+                    thinking=r.enable_think, max_actions_per_turn=r.max_actions_per_turn or None,
+                    max_actions_per_traj=r.max_actions_per_traj or None)
+    corpus, added = [], []
+    for tag in evaluate.parse_tags(config.val.tags, config.env.name) + (config.env.name,):
+        env = make_env(config, tag)
+        corpus += rollout_lib.dialogue_corpus(env, **settings)
+        added += [t for t in rollout_lib.template_strings(env, **settings) if t not in added]
+    return corpus, dict(split="none", alphabet="corpus", builtin_corpus=False,
+                        added_tokens=tuple(added))
 
 
 def load_policy(config) -> weights.LoadedModel:
     m = config.model
     kwargs = dict(dtype=m.dtype, remat=m.remat)
     if m.path == "tiny" or m.path.startswith("tiny:"):
-        kwargs["tiny_corpus"] = tiny_corpus(config)
+        kwargs["tiny_corpus"], kwargs["tiny_tokenizer"] = tiny_tokenizer_args(config)
     return weights.load_model(m.path, **kwargs)
 
 

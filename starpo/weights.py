@@ -510,11 +510,13 @@ MODEL_NAMES = ("smollm2-135m-instruct", "tiny[:layers=N,hidden=N,...]",
                "a Hugging Face checkpoint directory", "a .gguf file")
 
 
-def load_model(spec: str, *, tiny_corpus=(), **overrides) -> LoadedModel:
+def load_model(spec: str, *, tiny_corpus=(), tiny_tokenizer: dict | None = None,
+               **overrides) -> LoadedModel:
     """Load a model by name or path. `overrides` replace ModelConfig fields (dtype, remat, ...).
 
     `spec`: an embedded name (`smollm2-135m-instruct`), `tiny` or `tiny:layers=2,hidden=64,...`
-    (random init, in-process tokenizer trained on `tiny_corpus`), a Hugging Face checkpoint
+    (random init, in-process tokenizer trained on `tiny_corpus`; `tiny_tokenizer`: more keyword
+    arguments of `Tokenizer.tiny`, e.g. split="none", alphabet="corpus"), a Hugging Face checkpoint
     directory, or a `.gguf` file.
     """
     if spec in EMBEDDED:
@@ -522,7 +524,7 @@ def load_model(spec: str, *, tiny_corpus=(), **overrides) -> LoadedModel:
         return LoadedModel(cfg, params, tok, spec)
     if spec == "tiny" or spec.startswith("tiny:"):
         opts = _parse_tiny(spec)
-        tok = Tokenizer.tiny(tiny_corpus, vocab_size=opts.pop("vocab"))
+        tok = Tokenizer.tiny(tiny_corpus, vocab_size=opts.pop("vocab"), **(tiny_tokenizer or {}))
         seed = opts.pop("seed")
         # round the embedding table up to a multiple of 64 (the tokenizer may learn fewer merges)
         vocab = int(math.ceil(tok.vocab_size / 64) * 64)

@@ -1,0 +1,151 @@
+"""Proof that training learns, and that a run survives interruption exactly.
+
+The `tiny` configs train a random-init tiny model from scratch (configs/common.py): the Bandit
+run must learn to pick the high-risk arm, the FrozenLake run (non-slippery, thinking off) to
+reach the goal. Fixed seeds; the assertions are on validation numbers. One built experiment
+per env is shared by every run of this module, so each program compiles once.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import bandit, frozenlake
+from starpo import checkpoint, metrics, training, weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def with_changes(config, **changes):
+    """A copy of a locked config with dotted-key changes (only resumable keys in resume tests)."""
+    c = config.copy_and_resolve_references()
+    c.unlock()
+    for key, value in changes.items():
+        node = c
+        *path, last = key.split("__")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    c.lock()
+    return c
+
+
+def val_series(workdir, name):
+    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    return [(r["step"], r[name]) for r in rows if name in r]
+
+
+@pytest.fixture(scope="module")
+def bandit_run():
+    config = bandit.get_config("tiny")
+    return config, training.build(config)
+
+
+@pytest.fixture(scope="module")
+def bandit_trained(bandit_run, tmp_path_factory):
+    config, exp = bandit_run
+    workdir = str(tmp_path_factory.mktemp("bandit") / "run")
+    training.train(config, workdir, progress=False, experiment=exp, log=lambda *a: None)
+    return workdir
+
+
+def test_bandit_learns_the_high_risk_arm(bandit_trained):
+    series = val_series(bandit_trained, "val/Bandit/success")
+    print("val/Bandit/success by step:", series)
+    (first_step, first), (last_step, last) = series[0], series[-1]
+    assert first_step == 0 and last_step == bandit.get_config("tiny").trainer.total_steps
+    assert first < 0.7, series  # an untrained model does not already prefer the high-risk arm
+    assert last >= 0.9, series
+
+
+def test_frozenlake_learns_to_reach_the_goal(tmp_path):
+    config = frozenlake.get_config("tiny")
+    workdir = str(tmp_path / "run")
+    training.train(config, workdir, progress=False, log=lambda *a: None)
+    series = val_series(workdir, "val/FrozenLake/success")
+    print("val/FrozenLake/success by step:", series)
+    assert series[0][0] == 0 and series[0][1] < 0.3, series
+    assert series[-1][1] >= 0.8, series
+    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    # the documented names are there
+    for name in ("train/FrozenLake/success", "train/FrozenLake/pass@8", "actor/entropy",
+                 "actor/pg_loss", "rollout/in_group_std", "timing/rollout",
+                 "perf/rollout_tokens_per_s", "warning/echo_trap", "val/FrozenLake/action_is_valid"):
+        assert any(name in r for r in rows), name
+
+
+def comparable(rows):
+    """Metrics rows without wall-clock figures."""
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+
+
+def test_resumed_run_equals_uninterrupted_run(bandit_run, tmp_path):
+    config, exp = bandit_run
+    config = with_changes(config, trainer__total_steps=4, trainer__save_freq=3,
+                          val__test_freq=2)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    quiet = lambda *a: None  # noqa: E731
+    training.train(config, straight, progress=False, experiment=exp, log=quiet)
+    training.train(config, resumed, progress=False, experiment=exp, log=quiet, stop_after=2)
+    assert checkpoint.Checkpointer(os.path.join(resumed, "checkpoints")).steps() == [2]
+    said = []
+    training.train(config, resumed, progress=False, experiment=exp, log=said.append)
+    assert any("resuming" in s and "step 2" in s for s in said), said
+    a = comparable(metrics.read_jsonl(os.path.join(straight, "metrics.jsonl")))
+    b = comparable(metrics.read_jsonl(os.path.join(resumed, "metrics.jsonl")))
+    assert [r["step"] for r in a] == [0, 1, 2, 3, 4] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert math.isclose(ra[k], rb[k], rel_tol=1e-5, abs_tol=1e-6) or (
+                math.isnan(ra[k]) and math.isnan(rb[k])), (ra["step"], k, ra[k], rb[k])
+    # the final weights agree too
+    pa = checkpoint.load_params(os.path.join(straight, "checkpoints"), 4)
+    pb = checkpoint.load_params(os.path.join(resumed, "checkpoints"), 4)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, pa, pb)
+
+    # a damaged checkpoint stops the run with one line, and nothing is changed
+    shutil.copytree(resumed, str(tmp_path / "damaged"))
+    damaged = str(tmp_path / "damaged")
+    latest = os.path.join(damaged, "checkpoints", "4")
+    victim = max((os.path.join(d, f) for d, _, fs in os.walk(latest) for f in fs
+                  if f != checkpoint.CHECKSUMS), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        f.write(b"\xff" * 16)
+    before = open(os.path.join(damaged, "metrics.jsonl")).read()
+    longer = with_changes(config, trainer__total_steps=6)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        training.train(longer, damaged, progress=False, experiment=exp, log=quiet)
+    assert "\n" not in str(e.value) and "4" in str(e.value)
+    assert open(os.path.join(damaged, "metrics.jsonl")).read() == before
+
+
+def test_export_and_eval_of_a_trained_run(bandit_trained, tmp_path):
+    # export: a Hugging Face directory whose weights are the checkpoint's actor weights
+    out = str(tmp_path / "hf")
+    p = subprocess.run([sys.executable, "launch/export.py", f"--checkpoint={bandit_trained}",
+                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    config, policy, step = training.load_run(bandit_trained)
+    loaded = weights.load_model(out)
+    assert loaded.cfg.vocab_size == policy.cfg.vocab_size
+    jax.tree_util.tree_map(np.testing.assert_array_equal, loaded.params, policy.params)
+    assert loaded.tokenizer.encode("Dragon</answer>") == policy.tokenizer.encode("Dragon</answer>")
+
+    # eval: a table and a JSON line; the trained policy picks the high-risk arm
+    p = subprocess.run([sys.executable, "launch/eval.py", f"--checkpoint={bandit_trained}",
+                        "--groups=64", "--temperature=0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["step"] == step and result["groups"] == 64
+    assert result["results"]["Bandit"]["success"] >= 0.9
+    assert "Bandit" in p.stdout and "success" in p.stdout  # the table
