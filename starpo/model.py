@@ -84,7 +84,8 @@ class ModelConfig:
 class KVCache:
     """Per-layer keys and values plus per-row bookkeeping.
 
-    k, v:  [L, B, S, K, E]   slot s of row b holds the key/value written there
+    k, v:  [L, B, K, S, E]   slot s of row b holds the key/value written there (kv heads before
+                             slots: attention reads each layer's [B,K,S,E] slice as it is)
     valid: [B, S] bool        slot holds a real (non-padding) token
     end:   [B] int32          next slot to write in each row
     pos:   [B] int32          rotary position of the next real token (= real tokens so far)
@@ -104,7 +105,7 @@ class KVCache:
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache for `batch` rows of up to `max_len` slots."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -180,13 +181,18 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, chunk_mask, cache_valid, kv):
+    def __call__(self, x, positions, chunk_mask, cache_valid, kv, write=None):
         """Attention of a chunk over the cache (read only) and over itself.
 
         x [B,T,D]; positions [B,T]; chunk_mask [B,T,T] (causal, valid keys); cache_valid [B,S]
-        and kv = (k, v) [B,S,K,E] of the cache, or None. Returns (out [B,T,D], (k, v) of the
+        and kv = (k, v) [B,K,S,E] of the cache, or None. Returns (out [B,T,D], (k, v) of the
         chunk [B,T,K,E]) -- the caller writes those into the cache in one scatter, so the
         cache is never copied layer by layer.
+
+        write = (rows, slots [B,T], visible [B,T,S] bool), layer by layer (`split_cache`): this
+        layer's own cache buffers are updated first -- in place, as nothing reads the old ones
+        -- and the chunk attends over the cache alone, slots `visible` to each query. Returns
+        (out, the updated (k, v) buffers).
         """
         cfg = self.cfg
         H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -208,15 +214,55 @@ class Attention(nn.Module):
             return jnp.einsum("bkgts,bske->btkge", probs.astype(values.dtype), values,
                               preferred_element_type=jnp.float32)
 
+        G = H // K
+        batch = ((0, 1), (0, 1))
+        if write is not None:
+            rows, slots, visible = write
+            ck = kv[0].at[rows, :, slots].set(k, mode="drop")
+            cv = kv[1].at[rows, :, slots].set(v, mode="drop")
+            qc = jnp.moveaxis(q, 1, 2).reshape(B, K, T * G, E).astype(ck.dtype)
+            s_cache = jax.lax.dot_general(ck, qc, (((3,), (3,)), batch),
+                                          preferred_element_type=jnp.float32)  # [B,K,S,T*G]
+            visible = jnp.repeat(jnp.swapaxes(visible, 1, 2), G, axis=2)  # [B,S,T*G]
+            s_cache = jnp.where(visible[:, None], s_cache, _MASK_VALUE)
+            p_cache = jnp.swapaxes(jax.nn.softmax(s_cache, axis=2), 2, 3).astype(cv.dtype)
+            out = jax.lax.dot_general(p_cache, cv, (((3,), (2,)), batch),
+                                      preferred_element_type=jnp.float32)  # [B,K,T*G,E]
+            out = jnp.moveaxis(out.reshape(B, K, T, G, E), 2, 1).reshape(B, T, H, E)
+            out = _dense(cfg.hidden_size, ("heads", "head_dim", "embed"), "o", cfg,
+                         in_axes=(-2, -1))(out)
+            return out, (ck, cv)
+
         s = jnp.where(chunk_mask[:, None, None], scores(k), _MASK_VALUE)  # [B,K,G,T,T]
         if kv is None:
             out = mix(jax.nn.softmax(s, axis=-1), v)
         else:  # one softmax over [cache slots, chunk], without concatenating the cache
-            s_cache = jnp.where(cache_valid[:, None, None, None, :], scores(kv[0]), _MASK_VALUE)
-            top = jnp.maximum(s_cache.max(-1, keepdims=True), s.max(-1, keepdims=True))
-            e_cache, e = jnp.exp(s_cache - top), jnp.exp(s - top)
-            norm = e_cache.sum(-1, keepdims=True) + e.sum(-1, keepdims=True)
-            out = mix(e_cache / norm, kv[1]) + mix(e / norm, v)
+            # The cache is [B,K,S,E] per layer and both products keep (b, k) as leading batch
+            # dims and the cache as the big operand in its stored layout: no per-step
+            # transpose/copy of the cache (which used to cost more than the whole model).
+            ck, cv = kv
+            # queries as [B,K,T*G,E]; cache scores [B,K,S,T*G] (cache [S,E] times q^T)
+            qc = jnp.moveaxis(q, 1, 2).reshape(B, K, T * G, E).astype(ck.dtype)
+            s_cache = jax.lax.dot_general(ck, qc, (((3,), (3,)), batch),
+                                          preferred_element_type=jnp.float32)
+            s_cache = jnp.where(cache_valid[:, None, :, None], s_cache, _MASK_VALUE)
+
+            def per_query(stat):  # [B,K,G,T] chunk statistic -> [B,K,T*G]
+                return jnp.swapaxes(stat, 2, 3).reshape(B, K, T * G)
+
+            def per_head(stat):  # [B,K,T*G] -> [B,K,G,T,1]
+                return jnp.swapaxes(stat.reshape(B, K, T, G), 2, 3)[..., None]
+
+            top = jnp.maximum(s_cache.max(2), per_query(s.max(-1)))  # [B,K,T*G]
+            e_cache = jnp.exp(s_cache - top[:, :, None])
+            e = jnp.exp(s - per_head(top))
+            norm = e_cache.sum(2) + per_query(e.sum(-1))
+            # probabilities [B,K,T*G,S] (small) times the cache [S,E]: a plain matmul
+            p_cache = jnp.swapaxes(e_cache / norm[:, :, None], 2, 3).astype(cv.dtype)
+            out = jax.lax.dot_general(p_cache, cv, (((3,), (2,)), batch),
+                                      preferred_element_type=jnp.float32)  # [B,K,T*G,E]
+            out = jnp.moveaxis(out.reshape(B, K, T, G, E), 2, 1)
+            out = out + mix(e / per_head(norm), v)
         out = out.reshape(B, T, H, E)
         out = _dense(cfg.hidden_size, ("heads", "head_dim", "embed"), "o", cfg,
                      in_axes=(-2, -1))(out)
@@ -239,13 +285,43 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv, shared):
-        positions, chunk_mask, cache_valid = shared
+        positions, chunk_mask, cache_valid, *write = shared
         h, kv = Attention(self.cfg, name="attn")(
             RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, chunk_mask,
-            cache_valid, kv)
+            cache_valid, kv, *write)
         x = x + h
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_norm_eps, name="mlp_norm")(x))
         return x, kv
+
+
+def _chunk_geometry(valid, cache: KVCache | None):
+    """Rotary positions [B,T] and the causal chunk mask [B,T,T] of a chunk (valid [B,T] bool)."""
+    T = valid.shape[1]
+    offsets = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1  # [B,T] real tokens before
+    t = jnp.arange(T, dtype=jnp.int32)
+    chunk_mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
+    positions = jnp.maximum(offsets, 0)
+    if cache is not None:
+        positions = positions + cache.pos[:, None]
+    return positions, chunk_mask
+
+
+def _write_slots(valid, cache: KVCache):
+    """(rows, slots) [B,T] where each chunk token goes; padding goes out of range (dropped)."""
+    B, T = valid.shape
+    t = jnp.arange(T, dtype=jnp.int32)
+    slots = jnp.where(valid, cache.end[:, None] + t[None, :], cache.max_len)
+    return jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)), slots
+
+
+def _advance(cache: KVCache, valid, rows, slots, k, v) -> KVCache:
+    """The cache after writing a chunk: new k/v buffers, valid slots, `end` and `pos`."""
+    t = jnp.arange(valid.shape[1], dtype=jnp.int32)
+    last = jnp.max(jnp.where(valid, t[None, :], -1), axis=1)
+    return KVCache(
+        k=k, v=v, valid=cache.valid.at[rows, slots].set(True, mode="drop"),
+        end=jnp.where(last >= 0, cache.end + last + 1, cache.end).astype(jnp.int32),
+        pos=cache.pos + valid.sum(axis=1, dtype=jnp.int32))
 
 
 class Transformer(nn.Module):
@@ -287,14 +363,9 @@ class Transformer(nn.Module):
         room first, see `sampler`).
         """
         valid = valid.astype(bool)
-        B, T = tokens.shape
-        offsets = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1  # [B,T] real tokens before
-        t = jnp.arange(T, dtype=jnp.int32)
-        chunk_mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
-        positions = jnp.maximum(offsets, 0)
+        positions, chunk_mask = _chunk_geometry(valid, cache)
         kv, cache_valid = None, None
         if cache is not None:
-            positions = positions + cache.pos[:, None]
             kv, cache_valid = (cache.k, cache.v), cache.valid
 
         x = self.embed(tokens)
@@ -305,16 +376,17 @@ class Transformer(nn.Module):
 
         # One scatter per buffer writes every layer's new keys/values in place (the cache is
         # donated by the sampler); padding goes to an out-of-range slot and is dropped.
-        slots = jnp.where(valid, cache.end[:, None] + t[None, :], cache.max_len)  # [B,T]
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-        last = jnp.max(jnp.where(valid, t[None, :], -1), axis=1)
-        new_cache = KVCache(
-            k=cache.k.at[:, rows, slots].set(k, mode="drop"),
-            v=cache.v.at[:, rows, slots].set(v, mode="drop"),
-            valid=cache.valid.at[rows, slots].set(True, mode="drop"),
-            end=jnp.where(last >= 0, cache.end + last + 1, cache.end).astype(jnp.int32),
-            pos=cache.pos + valid.sum(axis=1, dtype=jnp.int32))
+        rows, slots = _write_slots(valid, cache)
+        new_cache = _advance(cache, valid, rows, slots,
+                             k=cache.k.at[:, rows, :, slots].set(jnp.moveaxis(k, 0, 2), mode="drop"),
+                             v=cache.v.at[:, rows, :, slots].set(jnp.moveaxis(v, 0, 2), mode="drop"))
         return hidden, new_cache
+
+    def embed_tokens(self, tokens):
+        return self.embed(tokens)
+
+    def final_hidden(self, x):
+        return self.final_norm(x)
 
     def logits(self, hidden):
         """hidden [...,D] -> float32 logits [...,V]."""
@@ -368,13 +440,101 @@ def forward(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = Non
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None):
-    """Final-norm hidden states [B,T,D] and the updated cache (heads applied separately)."""
+    """Final-norm hidden states [B,T,D] and the updated cache (heads applied separately).
+
+    With `split_layers` params or a `split_cache` cache the layers run one by one (unrolled)
+    instead of as a scan; the numbers are the same.
+    """
+    if _is_split(params["layers"]) or (cache is not None and _is_split(cache.k)):
+        return _hidden_states_layerwise(params, cfg, tokens, valid, cache)
     return Transformer(cfg).apply({"params": params}, tokens, valid, cache)
 
 
 def head_logits(params, cfg: ModelConfig, hidden):
-    return Transformer(cfg).apply({"params": params}, hidden, method=Transformer.logits)
+    return Transformer(cfg).apply({"params": _heads_only(params)}, hidden,
+                                  method=Transformer.logits)
 
 
 def head_values(params, cfg: ModelConfig, hidden):
-    return Transformer(cfg).apply({"params": params}, hidden, method=Transformer.values)
+    return Transformer(cfg).apply({"params": _heads_only(params)}, hidden,
+                                  method=Transformer.values)
+
+
+# ----------------------------------------------------------------------------- layer by layer
+# Decoding one token per row is bound by memory traffic. Under the layer scan every step
+# dynamic-slices each layer's weights and [B,K,S,E] cache block out of the stacked arrays,
+# and on CPU each such slice is a real copy (the matmul libraries need a plain buffer): about
+# as much traffic again as the attention itself. Split once per sampler call into per-layer
+# arrays (weights and cache), then each decode step reads every buffer in place and writes
+# its new keys/values into the layer's own buffer.
+def _is_split(x) -> bool:
+    return isinstance(x, (tuple, list))
+
+
+def _heads_only(params):
+    """The parameters the heads and the embedding use (the layers are not touched)."""
+    return {name: p for name, p in params.items() if name != "layers"}
+
+
+def split_layers(params):
+    """Params whose stacked `layers` subtree [L,...] becomes a tuple of L per-layer subtrees
+    (a copy of the layer weights: do it once, outside a decode loop)."""
+    layers = params["layers"]
+    if _is_split(layers):
+        return params
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree_util.tree_map(lambda p, i=i: p[i], layers)
+                                      for i in range(n))}
+
+
+def split_cache(cache: KVCache) -> KVCache:
+    """The cache with k and v as tuples of per-layer [B,K,S,E] arrays (see `stack_cache`)."""
+    if _is_split(cache.k):
+        return cache
+    n = cache.k.shape[0]
+    return cache.replace(k=tuple(cache.k[i] for i in range(n)),
+                         v=tuple(cache.v[i] for i in range(n)))
+
+
+def stack_cache(cache: KVCache) -> KVCache:
+    """Inverse of `split_cache`: k and v as stacked [L,B,K,S,E] arrays."""
+    if not _is_split(cache.k):
+        return cache
+    return cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
+
+
+def _hidden_states_layerwise(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None):
+    stacked = cache is not None and not _is_split(cache.k)
+    if stacked:
+        cache = split_cache(cache)
+    layers = split_layers(params)["layers"]
+    heads = {"params": _heads_only(params)}
+    model = Transformer(cfg)
+    valid = valid.astype(bool)
+    positions, chunk_mask = _chunk_geometry(valid, cache)
+    shared = (positions, chunk_mask, None)
+    if cache is not None:
+        rows, slots = _write_slots(valid, cache)
+        # slot s is visible to chunk token t if it held a token already or gets a valid chunk
+        # token t' <= t (the same keys as the cache part plus the causal chunk part)
+        T, S = valid.shape[1], cache.max_len
+        col = jnp.arange(S, dtype=jnp.int32)[None, :] - cache.end[:, None]  # [B,S] chunk column
+        in_chunk = (col >= 0) & (col < T) & jnp.take_along_axis(valid, jnp.clip(col, 0, T - 1),
+                                                               axis=1)
+        t = jnp.arange(T, dtype=jnp.int32)
+        visible = cache.valid[:, None, :] | (in_chunk[:, None, :]
+                                             & (col[:, None, :] <= t[None, :, None]))
+        shared = (positions, chunk_mask, cache.valid, (rows, slots, visible))
+    block = Block(cfg)
+    x = model.apply(heads, tokens, method=Transformer.embed_tokens)
+    new_k, new_v = [], []
+    for i, layer in enumerate(layers):
+        kv = None if cache is None else (cache.k[i], cache.v[i])
+        x, (k, v) = block.apply({"params": layer}, x, kv, shared)
+        new_k.append(k)
+        new_v.append(v)
+    hidden = model.apply(heads, x, method=Transformer.final_hidden)
+    if cache is None:
+        return hidden, None
+    new_cache = _advance(cache, valid, rows, slots, tuple(new_k), tuple(new_v))
+    return hidden, stack_cache(new_cache) if stacked else new_cache

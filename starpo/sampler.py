@@ -218,7 +218,12 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     # and room for at least one reply token
     live = active & fits & (span > 0) & (state.cache.end + span < S)
     hidden, appended = append(pre_params, pre_cfg, state, chunk, write)
-    tokens_buf, cache = appended.tokens, appended.cache
+    tokens_buf = appended.tokens
+    # Decode layer by layer on per-layer weight and cache buffers, split once here: under the
+    # layer scan each step would copy every layer's weights and cache block out of the stacked
+    # arrays (see `model.split_layers`). The cache is stacked back once at the end.
+    params = model_lib.split_layers(params)
+    cache = model_lib.split_cache(appended.cache)
     last = jnp.maximum(span - 1, 0)
     logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
 
@@ -268,6 +273,6 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
                 lp_buf=state.logprobs, gen_buf=state.generated,
                 tail=jnp.zeros((B, tail_width), jnp.uint8))
     c = jax.lax.while_loop(cond, body, init)
-    new_state = SamplerState(cache=c["cache"], tokens=c["tokens_buf"], logprobs=c["lp_buf"],
-                             generated=c["gen_buf"])
+    new_state = SamplerState(cache=model_lib.stack_cache(c["cache"]), tokens=c["tokens_buf"],
+                             logprobs=c["lp_buf"], generated=c["gen_buf"])
     return new_state, Turn(c["out_tokens"], c["out_logp"], c["length"], c["reason"])
