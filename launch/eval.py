@@ -65,8 +65,7 @@ def main(argv):
         results[tag] = evaluate.summarize(traj, m, size)
         print(f"{tag}: {groups} levels x {size} at temperature {temperature}: "
               f"success {results[tag]['success']:.3f}", file=sys.stderr)
-    what = policy.source + ("" if step is None else "")
-    print(f"\n{what}\n" + evaluate.format_table(results))
+    print(f"\n{policy.source}\n" + evaluate.format_table(results))
     print(json.dumps({"model": policy.source, "step": step, "temperature": temperature,
                       "groups": groups, "group_size": size, "results": results}))
 

@@ -28,7 +28,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import envs
 from starpo import checkpoint as ckpt_lib
