@@ -44,8 +44,19 @@ def base(env: str, **env_options) -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict(dict(
         path="smollm2-135m-instruct",  # embedded name, HF directory, .gguf file, or tiny:...
         critic_path="",  # "" = the actor's initial weights plus a zero value head (the reference)
-        dtype="float32",  # matmul dtype (bfloat16 on accelerators); weights stay float32
+        # matmul inputs: "auto" = bfloat16 on GPU/TPU, float32 on CPU (where XLA's pure bf16 is
+        # slower); matmuls accumulate in float32 and the master weights stay float32 either way
+        dtype="auto",
         remat=True,  # rematerialise layers in the update: memory for ~30% more compute
+    ))
+
+    # The device mesh (starpo/sharding.py): batch rows split over data x fsdp, weights and
+    # optimiser states split over fsdp (ZeRO-3) and tensor (heads / MLP / vocab); -1 = all the
+    # devices the other axes leave. The default is pure FSDP over every device, which on one
+    # device is simply that device. A checkpoint restores onto any mesh.
+    c.mesh = ml_collections.ConfigDict(dict(
+        data=1, fsdp=-1, tensor=1,
+        distributed="auto",  # jax.distributed.initialize(): auto (cluster env vars) | on | off
     ))
 
     c.env = ml_collections.ConfigDict(dict(

@@ -8,6 +8,10 @@
 Prints a progress bar and one summary line per step; writes checkpoints, metrics.jsonl and
 TensorBoard logs into the workdir (see starpo/training.py). Ctrl-C or SIGTERM finishes the
 current step, saves a checkpoint and exits; the same command resumes.
+
+On several hosts (a TPU pod slice, a SLURM or MPI job) run the same command on every host;
+`jax.distributed.initialize()` joins them (`--config.mesh.distributed=auto|on|off`) and the
+mesh (`--config.mesh.data/fsdp/tensor`) spans every host's devices.
 """
 
 import os
@@ -37,8 +41,10 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["config"].present:
         raise ValueError("--config is required, e.g. --config=configs/frozenlake.py:cpu")
-    from starpo import training
+    from starpo import sharding, training
 
+    # on a TPU pod slice or a cluster (several processes): join them before touching devices
+    sharding.initialize_distributed(CONFIG.value.mesh.distributed)
     training.enable_compilation_cache()
     workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
     print(f"workdir: {workdir}  (tensorboard --logdir {workdir})")

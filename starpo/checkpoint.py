@@ -229,6 +229,19 @@ def _jsonable(meta, where: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- checkpointer
+def _lead() -> bool:
+    """The process that writes the seal files (every process writes its own array shards)."""
+    return jax.process_index() == 0
+
+
+def _sync(name: str) -> None:
+    """A barrier across processes on a multi-host run (nothing on one host)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 class Checkpointer:
     """Numbered checkpoints of (state pytree, meta dict) in `directory`, the newest `keep` kept.
 
@@ -256,7 +269,9 @@ class Checkpointer:
             except OSError as e:
                 raise CheckpointError(f"checkpoint directory {self.directory} is not writable: "
                                       f"{e.strerror or e}") from None
-            self._remove_incomplete()
+            if _lead():
+                self._remove_incomplete()
+            _sync("starpo_checkpoint_open")
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=False, read_only=read_only, create=False,
             preservation_policy=ocp.checkpoint_managers.LatestN(None),  # `keep` is ours: below
@@ -326,7 +341,9 @@ class Checkpointer:
                 state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)))
             if not saved:
                 raise CheckpointError(f"checkpoint {where}: orbax declined to save the step")
-            _seal(where)
+            if _lead():  # on several hosts: one writes the seal, after all have written
+                _seal(where)
+            _sync("starpo_checkpoint_sealed")
         except CheckpointError:
             raise
         except Exception as e:  # orbax / tensorstore / OS errors: disk full, bad leaf types...
@@ -335,7 +352,9 @@ class Checkpointer:
             self._saving = False
         for old in self.steps()[:-self.keep]:
             # unseal first: a crash mid-deletion leaves an incomplete step, not a corrupt one
-            os.remove(os.path.join(self.step_dir(old), CHECKSUMS))
+            if _lead():
+                os.remove(os.path.join(self.step_dir(old), CHECKSUMS))
+            _sync("starpo_checkpoint_unsealed")
             self._manager.delete(old)
 
     def _saved_tree(self, step: int) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 
 import envs
 from starpo import rollout as rollout_lib
+from starpo import sharding
 
 # Summaries of per-episode arrays, in the order tables print them.
 TABLE_COLUMNS = ("success", "score", "action_is_valid", "num_actions", "response_length")
@@ -31,7 +32,7 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
     action_is_effective / num_turns / format_errors / truncated / response_length /
     context_used / context_used_max, each a mean over episodes unless named otherwise.
     """
-    t, m = jax.device_get((traj, metrics))
+    t, m = sharding.to_host((traj, metrics))
     success = np.asarray(t.success, np.float64)
     groups = success.reshape(-1, group_size)
     score = np.asarray(t.turn_reward, np.float64).sum(1) + np.asarray(t.penalty, np.float64)

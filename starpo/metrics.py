@@ -158,6 +158,19 @@ class MetricsWriter:
             self._tb.close()
 
 
+class NullWriter:
+    """A MetricsWriter that writes nothing (the other processes of a multi-host run)."""
+
+    def write(self, step: int, scalars: dict) -> None:
+        pass
+
+    def text(self, step: int, name: str, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 # ----------------------------------------------------------------------------- console
 # (label, metric name with '*' for one path component, format); in this order
 SUMMARY_KEYS = (

@@ -29,9 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from starpo.sharding import constrain
+
 # A finite "minus infinity": a padding query with no visible key gets a uniform (finite)
 # attention row instead of NaN, which would otherwise poison gradients through `where`.
 _MASK_VALUE = -1e30
+# the residual stream's logical axes: rows split over the mesh's batch axes, width whole
+ACTIVATION_AXES = ("batch", "length", "act_embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +110,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     """An empty cache for `batch` rows of up to `max_len` slots."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    kv_axes = ("layers", "batch", "kv_heads", "length", "head_dim")
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
-        valid=jnp.zeros((batch, max_len), bool),
-        end=jnp.zeros((batch,), jnp.int32),
-        pos=jnp.zeros((batch,), jnp.int32),
+        k=constrain(jnp.zeros(shape, dtype), kv_axes),
+        v=constrain(jnp.zeros(shape, dtype), kv_axes),
+        valid=constrain(jnp.zeros((batch, max_len), bool), ("batch", "length")),
+        end=constrain(jnp.zeros((batch,), jnp.int32), ("batch",)),
+        pos=constrain(jnp.zeros((batch,), jnp.int32), ("batch",)),
     )
 
 
@@ -291,7 +296,7 @@ class Block(nn.Module):
             cache_valid, kv, *write)
         x = x + h
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_norm_eps, name="mlp_norm")(x))
-        return x, kv
+        return constrain(x, ACTIVATION_AXES), kv
 
 
 def _chunk_geometry(valid, cache: KVCache | None):
@@ -368,7 +373,7 @@ class Transformer(nn.Module):
         if cache is not None:
             kv, cache_valid = (cache.k, cache.v), cache.valid
 
-        x = self.embed(tokens)
+        x = self.embed_tokens(tokens)
         x, (k, v) = self.layers(x, kv, (positions, chunk_mask, cache_valid))  # k, v [L,B,T,K,E]
         hidden = self.final_norm(x)
         if cache is None:
@@ -383,7 +388,13 @@ class Transformer(nn.Module):
         return hidden, new_cache
 
     def embed_tokens(self, tokens):
-        return self.embed(tokens)
+        """tokens [B,T] -> float32 embeddings [B,T,D], rows on the mesh's batch axes.
+
+        The lookup reads the whole table (gathered on a mesh, as FSDP gathers every weight
+        where it is used): a gather from a table split over vocabulary and width cannot yield
+        rows split over the batch without the compiler replicating everything."""
+        table = constrain(self.embed.embedding, (None, None))
+        return constrain(jnp.take(table, tokens, axis=0).astype(jnp.float32), ACTIVATION_AXES)
 
     def final_hidden(self, x):
         return self.final_norm(x)

@@ -27,6 +27,7 @@ from flax import struct
 
 from starpo import model as model_lib
 from starpo.model import KVCache, ModelConfig
+from starpo.sharding import constrain
 
 
 @struct.dataclass
@@ -68,11 +69,10 @@ NOT_RUN, EOS, STOP_STRING, BUDGET, CONTEXT_FULL = 0, 1, 2, 3, 4
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int, cache_dtype=None) -> SamplerState:
+    rows = lambda dtype: constrain(jnp.zeros((batch, max_len), dtype), ("batch", "length"))  # noqa: E731
     return SamplerState(
         cache=model_lib.init_cache(cfg, batch, max_len, cache_dtype),
-        tokens=jnp.zeros((batch, max_len), jnp.int32),
-        logprobs=jnp.zeros((batch, max_len), jnp.float32),
-        generated=jnp.zeros((batch, max_len), bool))
+        tokens=rows(jnp.int32), logprobs=rows(jnp.float32), generated=rows(bool))
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):

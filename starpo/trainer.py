@@ -28,6 +28,7 @@ from flax import struct
 from starpo import advantages as adv_lib
 from starpo import filtering, losses
 from starpo import model as model_lib
+from starpo import sharding
 from starpo.model import ModelConfig
 from starpo.trajectory import Trajectory
 
@@ -203,6 +204,7 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
     With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
     rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
     """
+    tokens = sharding.constrain(tokens, ("batch", "length"))
     hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid)
     h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
 
@@ -229,6 +231,7 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
 
 def token_values(params, cfg: ModelConfig, tokens, valid):
     """Critic values f32[B,T]: V of the state before each token (hidden state at t-1)."""
+    tokens = sharding.constrain(tokens, ("batch", "length"))
     hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid)
     return _shift_right(model_lib.head_values(params, cfg, hidden[:, :-1]))
 
@@ -453,7 +456,7 @@ def _apply(tx, params, opt_state, grads, apply):
 
 
 def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None,
-                compiler_options: dict | None = None):
+                compiler_options: dict | None = None, state_shardings=None, mesh=None):
     """The jitted StarPO update: `update(state, traj, key, ref_params=None) -> (state, metrics)`.
 
     state: TrainState (donated); traj: Trajectory [B,T] in env_groups x group_size layout;
@@ -471,7 +474,10 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
       critic/values/{mean,max,min}, critic/vf_explained_var, critic/vf_loss,
       critic/vf_clipfrac, critic/grad_norm, critic/lr, critic/nonfinite_skipped.
     `compiler_options` go to `jax.jit` (tests pass {"xla_backend_optimization_level": 0}: tiny
-    models compile several times faster on CPU).
+    models compile several times faster on CPU). On a mesh, `state_shardings` (a TrainState of
+    NamedShardings, `state_shardings(...)`) fixes where the new state lives (the same place as
+    the donated one) and the metrics come back replicated; the trajectory keeps the sharding it
+    arrives with (rows over the batch axes).
     """
     prepare = make_prepare(algo, actor_cfg, critic_cfg)
     grads_fn = make_grad_fn(algo, actor_cfg, critic_cfg)
@@ -528,4 +534,28 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
         metrics = {name: jnp.asarray(v, jnp.float32) for name, v in metrics.items()}
         return state.replace(step=state.step + 1), metrics
 
-    return jax.jit(update, donate_argnums=0, compiler_options=compiler_options)
+    out_shardings = None
+    if state_shardings is not None:
+        out_shardings = (state_shardings, sharding.replicated(mesh))
+    return jax.jit(update, donate_argnums=0, compiler_options=compiler_options,
+                   out_shardings=out_shardings)
+
+
+def state_shardings(algo: AlgoConfig, mesh, actor_cfg: ModelConfig,
+                    critic_cfg: ModelConfig | None = None) -> TrainState:
+    """Where each part of a TrainState lives on `mesh`: parameters by the sharding rules,
+    Adam moments like their parameters, counters replicated."""
+    actor = sharding.param_shardings(actor_cfg, mesh)
+    critic = sharding.param_shardings(critic_cfg, mesh) if algo.uses_critic else None
+    abstract = jax.eval_shape(
+        lambda a, c: init_train_state(algo, a, c), model_lib.abstract_params(actor_cfg),
+        model_lib.abstract_params(critic_cfg) if critic else None)
+    opt = lambda lr, params, sh: sharding.optimizer_shardings(  # noqa: E731
+        make_optimizer(lr, algo), params, sh, mesh)
+    rep = sharding.replicated(mesh)
+    return TrainState(
+        step=rep, actor_steps=rep, critic_steps=rep, actor_params=actor,
+        actor_opt_state=opt(algo.actor_lr, abstract.actor_opt_state, actor),
+        critic_params=critic,
+        critic_opt_state=None if critic is None else opt(algo.critic_lr,
+                                                         abstract.critic_opt_state, critic))

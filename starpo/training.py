@@ -33,15 +33,19 @@ import envs
 from starpo import checkpoint as ckpt_lib
 from starpo import evaluate
 from starpo import metrics as metrics_lib
+from starpo import model as model_lib
 from starpo import rollout as rollout_lib
+from starpo import sharding
 from starpo import trainer as trainer_lib
 from starpo import weights
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # Fields a resumed run may change; any other difference means "this is a different run".
+# A checkpoint restores onto any mesh, so the mesh may change too.
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_checkpoints",
                      "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
-                     "val.before_train")
+                     "val.before_train", "mesh.data", "mesh.fsdp", "mesh.tensor",
+                     "mesh.distributed")
 
 
 # ----------------------------------------------------------------------------- config
@@ -93,9 +97,16 @@ def tiny_tokenizer_args(config) -> tuple[list[str], dict]:
                         added_tokens=tuple(added))
 
 
+def model_dtype(config) -> str:
+    """The matmul dtype: `model.dtype`, where "auto" is bfloat16 on GPU/TPU, float32 on CPU."""
+    if config.model.dtype != "auto":
+        return config.model.dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def load_policy(config) -> weights.LoadedModel:
     m = config.model
-    kwargs = dict(dtype=m.dtype, remat=m.remat)
+    kwargs = dict(dtype=model_dtype(config), remat=m.remat)
     if m.path == "tiny" or m.path.startswith("tiny:"):
         kwargs["tiny_corpus"], kwargs["tiny_tokenizer"] = tiny_tokenizer_args(config)
     return weights.load_model(m.path, **kwargs)
@@ -104,7 +115,7 @@ def load_policy(config) -> weights.LoadedModel:
 def critic_params_from(config, actor: weights.LoadedModel):
     """(critic cfg, params): a value-head copy of the actor (the reference), or model.critic_path."""
     if config.model.critic_path:
-        c = weights.load_model(config.model.critic_path, dtype=config.model.dtype,
+        c = weights.load_model(config.model.critic_path, dtype=model_dtype(config),
                                remat=config.model.remat, value_head=True)
         if c.cfg.vocab_size != actor.cfg.vocab_size:
             raise ValueError(f"critic {config.model.critic_path} has vocabulary {c.cfg.vocab_size}, "
@@ -135,6 +146,8 @@ class Experiment:
     val_sets: dict
     compiler_options: dict | None
     critic_params: object = None  # the critic's initial weights (None without a critic)
+    mesh: object = None  # the device mesh everything runs on (trace under jax.set_mesh(mesh))
+    state_shardings: object = None  # TrainState of NamedShardings: where the state lives
 
 
 def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
@@ -148,19 +161,31 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
         raise ValueError(f"trainer.total_steps must be >= 0, got {config.trainer.total_steps}")
     env = make_env(config, config.env.name)
     tags = evaluate.parse_tags(config.val.tags, config.env.name)
+    mesh = sharding.mesh_from_config(config.mesh)
     policy = policy or load_policy(config)
+    # weights go straight to their shards (each device receives only its slice)
+    policy = dataclasses.replace(policy, params=sharding.put(
+        policy.params, sharding.param_shardings(policy.cfg, mesh)))
     options = FAST_COMPILE if config.trainer.fast_compile else None
     kwargs = rollout_kwargs(config)
     B = r.env_groups * r.group_size
     ro = rollout_lib.make_rollout(env, policy.tokenizer, policy.cfg, env_groups=r.env_groups,
                                   group_size=r.group_size, **kwargs)
-    run_rollout = jax.jit(ro.run_from.__wrapped__, compiler_options=options)
+    # Levels are generated and episodes played where their rows live: every [B,...] output
+    # (env states, trajectory, per-episode metrics) is split over the mesh's batch axes, and
+    # nothing is fed from the host but seeds and keys.
+    rows = sharding.batch_sharding(mesh, B)
+    run_rollout = jax.jit(ro.run_from.__wrapped__, compiler_options=options,
+                          out_shardings=(rows, rows))
     initial_states = jax.jit(
         lambda key, seed: rollout_lib._initial_states(env, key, seed, rollout_lib.TRAIN,
-                                                      r.env_groups, r.group_size))
+                                                      r.env_groups, r.group_size),
+        out_shardings=(rows, rows))
     critic_cfg, critic_params = critic_params_from(config, policy) if algo.uses_critic else (
         None, None)
-    update = trainer_lib.make_update(algo, policy.cfg, critic_cfg, compiler_options=options)
+    state_shardings = trainer_lib.state_shardings(algo, mesh, policy.cfg, critic_cfg)
+    update = trainer_lib.make_update(algo, policy.cfg, critic_cfg, compiler_options=options,
+                                     state_shardings=state_shardings, mesh=mesh)
 
     val_sets = {}
     v = config.val
@@ -172,15 +197,24 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
             group_size=v.group_size, rollout_kwargs=kwargs, compiler_options=options,
             rollout=ro if same else None, run_from=run_rollout if same else None)
     return Experiment(config, algo, policy, critic_cfg, env, ro, run_rollout, initial_states,
-                      update, val_sets, options, critic_params)
+                      update, val_sets, options, critic_params, mesh, state_shardings)
 
 
 def initial_train_state(exp: Experiment) -> trainer_lib.TrainState:
     """A fresh TrainState holding its own copies of the initial weights (the update donates
-    its state, and the experiment may start several runs)."""
-    copy = lambda tree: jax.tree_util.tree_map(jnp.array, tree)  # noqa: E731
-    critic = None if exp.critic_params is None else copy(exp.critic_params)
-    return trainer_lib.init_train_state(exp.algo, copy(exp.policy.params), critic)
+    its state, and the experiment may start several runs), created in place on the mesh:
+    optimiser moments are born sharded like their weights."""
+    init = jax.jit(lambda actor, critic: trainer_lib.init_train_state(exp.algo, actor, critic),
+                   out_shardings=exp.state_shardings)
+    return init(exp.policy.params, exp.critic_params)
+
+
+def state_target(exp: Experiment):
+    """The TrainState's shapes, dtypes and shardings (what a checkpoint restores into)."""
+    abstract = jax.eval_shape(lambda: initial_train_state(exp))
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+        exp.state_shardings)
 
 
 def step_keys(seed: int, step: int):
@@ -222,13 +256,13 @@ def train_step(exp: Experiment, state, step: int):
     traj = jax.block_until_ready(traj)
     t1 = time.perf_counter()
     state, um = exp.update(state, traj, k_update)
-    um = jax.device_get(um)
+    um = sharding.to_host(um)
     t2 = time.perf_counter()
     out = {k: float(v) for k, v in um.items()}
     for name, value in evaluate.summarize(traj, m, c.rollout.group_size).items():
         out[f"train/{c.env.name}/{name}"] = value
     kept = round(exp.algo.rollout_filter_ratio * c.rollout.env_groups) / c.rollout.env_groups
-    trained_tokens = float(jax.device_get(traj.length.sum())) * kept
+    trained_tokens = float(sharding.to_host(traj.length.sum())) * kept
     out.update({
         "timing/rollout": t1 - t0, "timing/update": t2 - t1, "timing/step": t2 - t0,
         "perf/rollout_tokens_per_s": out[f"train/{c.env.name}/generated_tokens"] / (t1 - t0),
@@ -327,30 +361,47 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     saved), to test resuming. experiment: a `build(config)` to reuse (tests share compiled
     programs between runs; it must come from an equal config). Returns the last logged scalars.
     """
-    from tqdm import tqdm
-
     resuming = check_workdir(workdir, config)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.trainer.keep_checkpoints)
     t_build = time.perf_counter()
     exp = experiment or build(config)  # a bad model or env fails here, before anything is written
-    if not resuming:
+    with jax.set_mesh(exp.mesh):  # programs trace with the mesh's activation shardings
+        return _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, log)
+
+
+def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, log) -> dict:
+    from tqdm import tqdm
+
+    # On several hosts every process runs the same steps (and writes its shards of each
+    # checkpoint); the first one alone prints and writes the config, metrics and samples.
+    lead = jax.process_index() == 0
+    if not lead:
+        log, progress = (lambda *a, **k: None), False
+    if not resuming and lead:
         write_config(workdir, config)
     start, detector = 0, metrics_lib.CollapseDetector(window=config.trainer.collapse_window)
     if resuming and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(None, jax.eval_shape(lambda: initial_train_state(exp)))
+        state, meta = ckpt.restore(None, state_target(exp))
         start = int(meta["step"])
         detector.load_state_dict(meta["collapse_detector"])
         log(f"resuming {workdir} from step {start}")
     else:
         state = initial_train_state(exp)
     # a resumed run drops what an interrupted one logged after its checkpoint
-    writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else -1)
+    writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if start else -1) if lead
+              else metrics_lib.NullWriter())
     log(f"built in {time.perf_counter() - t_build:.1f} s: {exp.policy.source} "
         f"({exp.policy.cfg.num_params / 1e6:.1f}M params), env {exp.env.name}, "
         f"{config.rollout.env_groups}x{config.rollout.group_size} episodes per step, "
-        f"{jax.devices()[0].platform} x{jax.device_count()}; "
+        f"{jax.devices()[0].platform} x{jax.device_count()} (mesh data x fsdp x tensor = "
+        f"{' x '.join(str(n) for n in exp.mesh.shape.values())}); "
         f"the first step and validation compile (slow)")
+    unsplit = sharding.describe(model_lib.logical_axes(exp.policy.cfg),
+                                model_lib.abstract_params(exp.policy.cfg), exp.mesh)
+    if unsplit:
+        log(f"sharding: {len(unsplit)} weight dims stay replicated or partly split (sizes not "
+            f"divisible by the mesh), e.g. {unsplit[0]}")
 
     total, last = config.trainer.total_steps, {}
     v = config.val

@@ -1,0 +1,278 @@
+"""Device meshes and the one table that maps logical axes onto them.
+
+The mesh has three axes, sized by the config (`mesh.data`, `mesh.fsdp`, `mesh.tensor`; -1 = all
+devices the others leave):
+
+    data    batch rows (episodes) only; weights are replicated across it
+    fsdp    batch rows too, and weights / optimiser states are split along their model width
+            (`embed`) across it: ZeRO-3 style, each layer's weights are gathered when used
+    tensor  attention heads, MLP width and vocabulary split across it (Megatron style)
+
+The model names the logical axes of every weight (`model.logical_axes`) and of its activations
+(`constrain` calls); `RULES` below is the only place they meet mesh axes. A dimension that a
+rule would shard but whose size does not divide the mesh axes is sharded over the longest
+prefix of those axes that divides it, else replicated: e.g. Qwen2.5-0.5B's 14 query heads and 2
+kv heads on `tensor=4` are replicated (its MLP width 4864 and vocabulary are still split), and a
+micro-batch of 4 rows on data x fsdp = 2 x 4 is split over `data` only. `describe` lists every
+such case so a run can print it.
+
+Under a mesh context (`jax.set_mesh(mesh)`, which `training` enters) `constrain` pins
+activations (batch rows on data x fsdp); without one, or on a single device, it does nothing, so
+the same code runs unchanged on a laptop.
+
+Multi-host (TPU pod slices, SLURM / GPU clusters): `initialize_distributed` calls
+`jax.distributed.initialize()` when the environment says several processes take part. Every
+process runs the same program over the global mesh; nothing is fed from the host: levels are
+generated on device from seeds inside the jitted rollout, so each device produces exactly its own
+rows. `to_host` brings (small) results back to every process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axes (a tuple shards over their product, in order; None replicates)
+RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),  # episodes / rows of every batch
+    ("embed", "fsdp"),  # model width of weights: FSDP
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("length", None),  # tokens of a sequence / cache slots
+    ("act_embed", None),  # model width of activations (the residual stream is not split)
+)
+_RULES = dict(RULES)
+
+
+# ----------------------------------------------------------------------------- meshes
+def mesh_shape(data: int = 1, fsdp: int = -1, tensor: int = 1,
+               num_devices: int | None = None) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with one -1 resolved to the devices the others leave."""
+    n = jax.device_count() if num_devices is None else num_devices
+    sizes = [int(data), int(fsdp), int(tensor)]
+    free = [i for i, s in enumerate(sizes) if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got data={data}, fsdp={fsdp}, "
+                         f"tensor={tensor}")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh: axis sizes must be >= 1 or -1, got data={data}, fsdp={fsdp}, "
+                         f"tensor={tensor}")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if free:
+        if n % fixed:
+            raise ValueError(f"mesh: {n} devices are not divisible by the fixed axes' "
+                             f"product {fixed} (data={data}, fsdp={fsdp}, tensor={tensor})")
+        sizes[free[0]] = n // fixed
+    if math.prod(sizes) != n:
+        raise ValueError(f"mesh: data x fsdp x tensor = {sizes[0]} x {sizes[1]} x {sizes[2]} = "
+                         f"{math.prod(sizes)} devices, but {n} are available")
+    return tuple(sizes)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all, every host's).
+
+    Axes are `Auto`: the compiler propagates shardings from the inputs, the outputs and the
+    `constrain` hints (no sharding-in-types)."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_from_config(mesh_config) -> Mesh:
+    """The mesh of a config's `mesh` section (data, fsdp, tensor)."""
+    return make_mesh(mesh_config.data, mesh_config.fsdp, mesh_config.tensor)
+
+
+# ----------------------------------------------------------------------------- logical -> mesh
+def _axis_sizes(mesh) -> dict[str, int]:
+    return dict(mesh.shape)
+
+
+def spec(logical, shape, mesh) -> P:
+    """PartitionSpec of an array of `shape` whose dims have logical names `logical`.
+
+    A rule's mesh axes that are already used by an earlier dim, or have size 1, are skipped;
+    of the rest the longest prefix whose size divides the dim is used (else replicated).
+    """
+    sizes = _axis_sizes(mesh)
+    used, out = set(), []
+    for name, dim in zip(tuple(logical), shape):
+        axes = _RULES.get(name) if name is not None else None
+        if name is not None and name not in _RULES:
+            raise KeyError(f"no sharding rule for logical axis {name!r} (rules: {list(_RULES)})")
+        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        axes = tuple(a for a in axes if a in sizes and sizes[a] > 1 and a not in used)
+        while axes and dim % math.prod(sizes[a] for a in axes):
+            axes = axes[:-1]
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def _wanted(logical, mesh) -> list[tuple[str, int]]:
+    """(logical name, mesh size) of dims a rule would split, ignoring divisibility."""
+    sizes = _axis_sizes(mesh)
+    out = []
+    for name in tuple(logical):
+        axes = _RULES.get(name) if name is not None else None
+        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        n = math.prod(sizes.get(a, 1) for a in axes)
+        out.append((name, n))
+    return out
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def tree_shardings(logical_tree, abstract_tree, mesh):
+    """NamedShardings for a pytree of arrays, given a matching tree of logical PartitionSpecs
+    (e.g. `model.logical_axes(cfg)` with `model.abstract_params(cfg)`)."""
+    return jax.tree_util.tree_map(
+        lambda names, x: NamedSharding(mesh, spec(names, x.shape, mesh)),
+        logical_tree, abstract_tree, is_leaf=_is_spec)
+
+
+def describe(logical_tree, abstract_tree, mesh) -> list[str]:
+    """One line per weight dim that its rule would shard but that stays (partly) replicated
+    because its size does not divide the mesh axes."""
+    lines = []
+
+    def one(path, names, x):
+        got = spec(names, x.shape, mesh)
+        sizes = _axis_sizes(mesh)
+        for d, ((name, want), dim) in enumerate(zip(_wanted(names, mesh), x.shape)):
+            have = got[d] if d < len(got) else None
+            have = () if have is None else (have,) if isinstance(have, str) else have
+            n = math.prod(sizes[a] for a in have)
+            if want > 1 and n < want:
+                where = jax.tree_util.keystr(path, simple=True, separator=".")
+                lines.append(f"{where}: {name}={dim} is not divisible by {want} devices "
+                             f"({'replicated' if n == 1 else f'split {n} ways'})")
+
+    jax.tree_util.tree_map_with_path(one, logical_tree, abstract_tree, is_leaf=_is_spec)
+    return lines
+
+
+def param_shardings(cfg, mesh):
+    """NamedShardings of a model's parameters (by `RULES` over `model.logical_axes`)."""
+    from starpo import model as model_lib  # the model imports this module for `constrain`
+
+    return tree_shardings(model_lib.logical_axes(cfg), model_lib.abstract_params(cfg), mesh)
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh, rows: int, ndim: int = 1) -> NamedSharding:
+    """Rows of a [rows, ...] array on data x fsdp (or the prefix of them that divides rows)."""
+    return NamedSharding(mesh, spec(("batch",) + (None,) * (ndim - 1), (rows,) + (1,) * (ndim - 1),
+                                    mesh))
+
+
+def batch_shardings(tree, mesh):
+    """Per-leaf batch shardings of a pytree of [B, ...] arrays (scalars replicated)."""
+    def one(x):
+        if not np.shape(x):
+            return replicated(mesh)
+        return batch_sharding(mesh, np.shape(x)[0], len(np.shape(x)))
+    return jax.tree_util.tree_map(one, tree)
+
+
+def optimizer_shardings(tx, abstract_opt_state, param_sharding_tree, mesh):
+    """Shardings of an optax state: moments like their parameters, counters replicated."""
+    import optax
+
+    return optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt_state, param_sharding_tree,
+        transform_non_params=lambda _: replicated(mesh),
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+# ----------------------------------------------------------------------------- placing data
+def put(tree, shardings):
+    """Arrays (numpy or jax) placed with the given shardings. Each device receives only its
+    slice, built from the host copy by index (also on a multi-host mesh, where every process
+    holds the same full host copy, e.g. weights read from disk)."""
+    def one(x, s):
+        if isinstance(x, jax.Array) and getattr(x, "is_fully_addressable", True):
+            return jax.device_put(x, s)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+    return jax.tree_util.tree_map(one, tree, shardings)
+
+
+def constrain(x, logical):
+    """Pin an activation's sharding by logical axis names (a no-op without a mesh context or
+    on one device). Use inside jitted code."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec(logical, x.shape, mesh))
+
+
+def to_host(tree):
+    """numpy copies of (small) arrays on every process, gathered across hosts when needed."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
+# ----------------------------------------------------------------------------- multi-host
+# Environment variables by which a cluster launcher announces several processes; with any of
+# them `jax.distributed.initialize()` finds the coordinator, process count and id itself.
+_CLUSTER_HINTS = (
+    ("JAX_COORDINATOR_ADDRESS", None),  # explicit (with JAX_NUM_PROCESSES, JAX_PROCESS_ID)
+    ("TPU_WORKER_HOSTNAMES", ","),  # Cloud TPU pod slice: one name per host
+    ("MEGASCALE_COORDINATOR_ADDRESS", None),  # multi-slice TPU
+    ("SLURM_NTASKS", "int"),  # SLURM: srun with several tasks
+    ("OMPI_COMM_WORLD_SIZE", "int"),  # Open MPI (mpirun)
+)
+
+
+def multi_process_environment(environ=None) -> bool:
+    """Whether the environment announces a multi-process launch."""
+    environ = os.environ if environ is None else environ
+    for name, kind in _CLUSTER_HINTS:
+        value = environ.get(name, "").strip()
+        if not value:
+            continue
+        if kind == ",":
+            if len([h for h in value.split(",") if h.strip()]) > 1:
+                return True
+        elif kind == "int":
+            if value.isdigit() and int(value) > 1:
+                return True
+        else:
+            return True
+    return False
+
+
+def initialize_distributed(mode: str = "auto", environ=None) -> bool:
+    """Call `jax.distributed.initialize()` when launched as several processes.
+
+    mode: "auto" (when `multi_process_environment()`), "on" (always), "off" (never).
+    Must run before anything touches a device. Returns whether it initialised."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"mesh.distributed must be auto, on or off, got {mode!r}")
+    if mode == "off" or (mode == "auto" and not multi_process_environment(environ)):
+        return False
+    jax.distributed.initialize()
+    return True
