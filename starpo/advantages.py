@@ -30,10 +30,16 @@ def group_mean_std(x: jax.Array, key: jax.Array):
 
     x: f32[B]; key: int[B]. Returns (mean f32[B], unbiased std f32[B], size int32[B]); the std of
     a single-member group is 0. Rows of one group get bit-identical statistics.
+
+    Sums run over values shifted by the group's first member, so a group of equal values has
+    exactly that mean and exactly zero deviations whatever the summation order (a sharded sum
+    of 8 x -0.1 is not exactly -0.8, and GRPO's division by std + 1e-6 would turn its 1e-8
+    residue into advantages of ~1e-2).
     """
     same = key[:, None] == key[None, :]  # [B,B]
     n = same.sum(axis=1)
-    mean = jnp.where(same, x[None, :], 0.0).sum(axis=1) / n
+    shift = x[jnp.argmax(same, axis=1)]  # the first member of each row's group
+    mean = shift + jnp.where(same, x[None, :] - shift[:, None], 0.0).sum(axis=1) / n
     dev = jnp.where(same, x[None, :] - mean[:, None], 0.0)
     var = (dev * dev).sum(axis=1) / jnp.maximum(n - 1, 1)
     return mean, jnp.sqrt(var), n.astype(jnp.int32)

@@ -186,6 +186,26 @@ def test_grpo_groups(by_std):
     np.testing.assert_array_equal(adv, ret)
 
 
+
+def test_groups_of_equal_scores_give_exactly_zero_advantage():
+    """The paper's group size 16: 16 x -0.1 (every episode penalised once) and 16 x 10.9
+    (every episode solved in one push) sum with float32 rounding; a plain mean then leaves
+    deviations of 1e-8 / 1e-6 that GRPO's division by std + 1e-6 blew up to advantages of
+    0.02 / 0.6. Shuffled, so members are not adjacent."""
+    rng = np.random.default_rng(0)
+    score = np.concatenate([np.full(16, -0.1), np.full(16, 10.9), np.full(16, 0.7),
+                            rng.random(16)]).astype(np.float32)
+    group = np.repeat(np.arange(4), 16).astype(np.int32)
+    order = rng.permutation(64)
+    score, group = score[order], group[order]
+    mean, std, _ = A.group_mean_std(jnp.asarray(score), jnp.asarray(group))
+    constant = group < 3
+    assert (np.asarray(std)[constant] == 0).all()
+    np.testing.assert_array_equal(np.asarray(mean)[constant], score[constant])
+    adv, _ = grpo(jnp.asarray(score), jnp.asarray(group), jnp.ones((64, 2), bool), True)
+    assert (np.asarray(adv)[constant] == 0).all()
+    assert (np.abs(np.asarray(adv)[~constant]) > 0.01).all()
+
 @pytest.mark.parametrize("grouping", A.GROUPINGS)
 @pytest.mark.parametrize("method", A.NORM_METHODS)
 def test_normalisation_modes(grouping, method):
