@@ -1,0 +1,125 @@
+"""One training iteration, phase by phase: where does the time go?
+
+  python benchmarks/train_step.py --config=configs/frozenlake.py:cpu
+  python benchmarks/train_step.py --config=configs/sokoban.py --config.rollout.env_groups=8
+
+Builds the run of a config (`training.build`, any `--config.*` override) and times one
+iteration's phases, each compiled ahead of time and then run once on the same data:
+
+  rollout        levels + the jitted multi-turn episode loop (sampling, env, render, parse)
+  old_logprobs   the training forward over the kept rows (micro-batched, as the update does)
+  values         the critic forward over the kept rows (PPO / GAE only)
+  adv_filter     the rest of the update's preparation: reward normalisation, the StarPO-S
+                 filter and its gather, rewards to tokens, GAE / GRPO, whitening
+                 (= the whole preparation minus the two forwards above)
+  ppo_updates    the k mini-batch PPO updates (= the whole update minus its preparation)
+
+The last line printed is one JSON object with seconds per phase, compile seconds, the biggest
+phase, token counts and tokens per second of the rollout and of the update.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from launch import common  # noqa: E402
+
+CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/frozenlake.py:cpu.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["config"].present:
+        raise ValueError("--config is required, e.g. --config=configs/frozenlake.py:cpu")
+    import jax
+    import jax.numpy as jnp
+
+    from starpo import evaluate, filtering, training
+    from starpo import trainer as T
+
+    config = CONFIG.value
+    t = time.perf_counter()
+    exp = training.build(config)
+    build_s = time.perf_counter() - t
+    algo, cfg, r = exp.algo, exp.policy.cfg, config.rollout
+    compile_s, phase_s = {}, {}
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    def timed(name, jitted, *args):
+        t = time.perf_counter()
+        program = jitted.lower(*args).compile()
+        compile_s[name] = time.perf_counter() - t
+        t = time.perf_counter()
+        out = jax.block_until_ready(program(*args))
+        phase_s[name] = time.perf_counter() - t
+        log(f"{name}: {phase_s[name]:.2f} s (compile {compile_s[name]:.1f} s)")
+        return out
+
+    with jax.set_mesh(exp.mesh):
+        state = training.initial_train_state(exp)
+        k_roll, k_update = training.step_keys(config.seed, 0)
+        env_state, group_id = exp.initial_states(jax.random.key(config.seed), jnp.int32(0))
+        traj, m = timed("rollout", exp.run_rollout, state.actor_params, k_roll, env_state,
+                        group_id, jnp.float32(r.temperature))
+        summary = evaluate.summarize(traj, m, r.group_size)
+
+        rows, _ = filtering.filter_rows(traj.score, algo.group_size, algo.rollout_filter_ratio,
+                                        algo.rollout_filter_type)
+        kept = traj.take(rows) if rows.shape[0] < traj.tokens.shape[0] else traj
+        micro = T._micro_size(algo, kept.tokens.shape[0])
+
+        def old_logprobs(params, tokens, valid):
+            fn = lambda t, v: T.token_logprobs(params, cfg, t, v, algo.logit_chunk_size,  # noqa: E731
+                                               algo.temperature)[0]
+            return T._micro_map(fn, micro, tokens, valid)
+
+        timed("old_logprobs", jax.jit(old_logprobs), state.actor_params, kept.tokens, kept.valid)
+        if algo.uses_critic:
+            values = lambda p, t, v: T._micro_map(  # noqa: E731
+                lambda a, b: T.token_values(p, exp.critic_cfg, a, b), micro, t, v)
+            timed("values", jax.jit(values), state.critic_params, kept.tokens, kept.valid)
+        prepare = jax.jit(T.make_prepare(algo, cfg, exp.critic_cfg))
+        timed("prepare", prepare, state, traj)
+        timed("update", exp.update, state, traj, k_update)
+
+    forwards = phase_s["old_logprobs"] + phase_s.get("values", 0.0)
+    phases = {"rollout": phase_s["rollout"], "old_logprobs": phase_s["old_logprobs"]}
+    if "values" in phase_s:
+        phases["values"] = phase_s["values"]
+    phases["adv_filter"] = max(phase_s["prepare"] - forwards, 0.0)
+    phases["ppo_updates"] = max(phase_s["update"] - phase_s["prepare"], 0.0)
+    total = phase_s["rollout"] + phase_s["update"]
+    mini, k = T.num_updates(algo, kept.tokens.shape[0])
+    trained = int(jax.device_get(kept.valid.sum()))
+    result = {
+        "config": config_flags.get_config_filename(FLAGS["config"]), "model": exp.policy.source,
+        "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+        "episodes": int(traj.tokens.shape[0]), "kept_rows": int(kept.tokens.shape[0]),
+        "context": int(traj.tokens.shape[1]), "updates_per_batch": k,
+        "generated_tokens": int(summary["generated_tokens"]),
+        "trained_tokens_per_pass": trained,
+        "phase_s": {n: round(v, 2) for n, v in phases.items()},
+        "phase_fraction": {n: round(v / total, 3) for n, v in phases.items()},
+        "biggest_phase": max(phases, key=phases.get),
+        "iteration_s": round(total, 2),
+        "compile_s": {n: round(v, 1) for n, v in compile_s.items()},
+        "build_s": round(build_s, 1),
+        "rollout_new_tokens_per_s": round(summary["generated_tokens"] / phase_s["rollout"], 1),
+        "success": round(summary["success"], 3),
+        "action_is_valid": round(summary["action_is_valid"], 3),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    common.run(main, config_flag=CONFIG)
