@@ -190,3 +190,32 @@ def test_bfloat16_matmuls_stay_close_to_float32(tiny, fwd):
     assert got.dtype == jnp.float32
     err = float(jnp.abs(got - want).max())
     assert 0 < err < 0.05 * float(jnp.abs(want).max()), err
+
+
+def test_bfloat16_gradients_run_in_bfloat16_and_stay_close_to_float32(tiny):
+    """Mixed precision's backward: no float32 x float32 matmul is left in the gradient of a
+    bfloat16 model (autodiff alone multiplies the float32 cotangent with the bf16 operands,
+    i.e. in float32), and the gradients agree with float32 ones to bf16 rounding."""
+    cfg, params = tiny
+    ids = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
+    valid = jnp.ones_like(ids, bool)
+
+    def loss(p, c):
+        logits, _ = M.forward(p, c, ids, valid)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 3] * jnp.arange(9.0))
+
+    bf16 = cfg.replace(dtype="bfloat16")
+    hlo = jax.jit(jax.grad(lambda p: loss(p, bf16))).lower(params).as_text()
+    f32_dots = [ln for ln in hlo.splitlines()
+                if "dot_general" in ln and ln.count("tensor<") >= 3
+                and all("xf32>" in t for t in ln.split("tensor<")[1:3])]
+    assert not f32_dots, f32_dots[:2]
+    want = jax.grad(lambda p: loss(p, cfg))(params)
+    got = jax.grad(lambda p: loss(p, bf16))(params)
+    for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+        w = want
+        for k in path:
+            w = w[k.key]
+        assert g.dtype == jnp.float32
+        scale = float(jnp.abs(w).max())
+        assert float(jnp.abs(g - w).max()) <= 0.05 * scale + 1e-6, jax.tree_util.keystr(path)
