@@ -66,15 +66,20 @@ def test_bandit_learns_the_high_risk_arm(bandit_trained):
 
 
 def test_frozenlake_learns_to_reach_the_goal(tmp_path):
-    """From ~0 to a clear success rate in 40 steps (the issue's 0.8 is not reached yet: a
-    3x3 lake plateaus at ~0.2-0.4 in this budget), with the answer format learned."""
+    """From ~0 to a clear success rate in 80 steps, with the answer format learned.
+
+    The issue's 0.8 is not reached: with this config and seed the curve is 0.00 -> 0.25 (step
+    10) -> 0.34 (40) -> 0.54 (80) on 128 held-out levels, but other seeds (config and model
+    seed 1, 2) stay at 0.22-0.30 after 80 steps, about a uniformly random mover (0.26 at
+    training temperature). The bound below is what every tried seed clears, not the best run.
+    """
     config = frozenlake.get_config("tiny")
     workdir = str(tmp_path / "run")
     training.train(config, workdir, progress=False, log=lambda *a: None)
     series = val_series(workdir, "val/FrozenLake/success")
     print("val/FrozenLake/success by step:", series)
     assert series[0][0] == 0 and series[0][1] < 0.05, series
-    assert series[-1][1] >= 0.15, series
+    assert series[-1][0] == config.trainer.total_steps and series[-1][1] >= 0.2, series
     valid = val_series(workdir, "val/FrozenLake/action_is_valid")
     assert valid[0][1] < 0.2 and valid[-1][1] >= 0.9, valid
     rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
