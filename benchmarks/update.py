@@ -134,8 +134,9 @@ def main():
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=512)
-    p.add_argument("--micro_batch", type=int, default=4, help="rows per forward/backward")
-    p.add_argument("--logit_chunk", type=int, default=128, help="tokens per log-prob head chunk")
+    p.add_argument("--micro_batch", type=int, default=2, help="rows per forward/backward")
+    p.add_argument("--logit_chunk", type=int, default=0,
+                   help="tokens per log-prob head chunk (0: whole rows of a micro-batch)")
     p.add_argument("--dtype", default="bfloat16",
                    help="JAX matmul input dtype (accumulation and master weights stay float32)")
     p.add_argument("--remat", type=int, default=1, help="rematerialise each layer (1/0)")
