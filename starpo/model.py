@@ -194,12 +194,16 @@ def _mixed_bwd(product, res, g):
 _mixed.defvjp(_mixed_fwd, _mixed_bwd)
 
 
-def mixed_einsum(spec: str, a, b):
-    """einsum(spec, a, b) of same-dtype inputs, accumulated and returned in float32."""
-    product = functools.partial(_einsum_product, spec)
+def _float32_product(product, a, b):
+    """product(a, b) in float32; low-precision inputs of one dtype get mixed-precision grads."""
     if a.dtype == jnp.float32 or a.dtype != b.dtype:
         return product(a, b, jnp.float32)
     return _mixed(product, a, b)
+
+
+def mixed_einsum(spec: str, a, b):
+    """einsum(spec, a, b) of same-dtype inputs, accumulated and returned in float32."""
+    return _float32_product(functools.partial(_einsum_product, spec), a, b)
 
 
 def _einsum_product(spec, a, b, out_dtype):
@@ -213,10 +217,7 @@ def _dot_product(dimension_numbers, a, b, out_dtype):
 def _dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     """The dense layers' dot_general: float32 accumulation and output, mixed-precision grads."""
     del precision, preferred_element_type
-    product = functools.partial(_dot_product, dimension_numbers)
-    if lhs.dtype == jnp.float32 or lhs.dtype != rhs.dtype:
-        return product(lhs, rhs, jnp.float32)
-    return _mixed(product, lhs, rhs)
+    return _float32_product(functools.partial(_dot_product, dimension_numbers), lhs, rhs)
 
 
 def _dense(features, axes, name, cfg, use_bias=False, in_axes=-1, init_scale=1.0):

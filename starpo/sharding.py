@@ -100,6 +100,16 @@ def _axis_sizes(mesh) -> dict[str, int]:
     return dict(mesh.shape)
 
 
+def _rule_axes(name) -> tuple[str, ...]:
+    """The mesh axes the rules give a logical axis (None: unnamed, replicated)."""
+    if name is None:
+        return ()
+    if name not in _RULES:
+        raise KeyError(f"no sharding rule for logical axis {name!r} (rules: {list(_RULES)})")
+    axes = _RULES[name]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def spec(logical, shape, mesh) -> P:
     """PartitionSpec of an array of `shape` whose dims have logical names `logical`.
 
@@ -109,11 +119,7 @@ def spec(logical, shape, mesh) -> P:
     sizes = _axis_sizes(mesh)
     used, out = set(), []
     for name, dim in zip(tuple(logical), shape):
-        axes = _RULES.get(name) if name is not None else None
-        if name is not None and name not in _RULES:
-            raise KeyError(f"no sharding rule for logical axis {name!r} (rules: {list(_RULES)})")
-        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        axes = tuple(a for a in axes if a in sizes and sizes[a] > 1 and a not in used)
+        axes = tuple(a for a in _rule_axes(name) if a in sizes and sizes[a] > 1 and a not in used)
         while axes and dim % math.prod(sizes[a] for a in axes):
             axes = axes[:-1]
         used.update(axes)
@@ -126,13 +132,8 @@ def spec(logical, shape, mesh) -> P:
 def _wanted(logical, mesh) -> list[tuple[str, int]]:
     """(logical name, mesh size) of dims a rule would split, ignoring divisibility."""
     sizes = _axis_sizes(mesh)
-    out = []
-    for name in tuple(logical):
-        axes = _RULES.get(name) if name is not None else None
-        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        n = math.prod(sizes.get(a, 1) for a in axes)
-        out.append((name, n))
-    return out
+    return [(name, math.prod(sizes.get(a, 1) for a in _rule_axes(name)))
+            for name in tuple(logical)]
 
 
 def _is_spec(x) -> bool:

@@ -148,6 +148,7 @@ class Experiment:
     critic_params: object = None  # the critic's initial weights (None without a critic)
     mesh: object = None  # the device mesh everything runs on (trace under jax.set_mesh(mesh))
     state_shardings: object = None  # TrainState of NamedShardings: where the state lives
+    init_state: object = None  # jitted (actor, critic params) -> TrainState on the mesh
 
 
 def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
@@ -186,6 +187,9 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
     state_shardings = trainer_lib.state_shardings(algo, mesh, policy.cfg, critic_cfg)
     update = trainer_lib.make_update(algo, policy.cfg, critic_cfg, compiler_options=options,
                                      state_shardings=state_shardings, mesh=mesh)
+    # a fresh state is created in place on the mesh: Adam moments born sharded like weights
+    init_state = jax.jit(lambda actor, critic: trainer_lib.init_train_state(algo, actor, critic),
+                         out_shardings=state_shardings)
 
     val_sets = {}
     v = config.val
@@ -197,16 +201,14 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
             group_size=v.group_size, rollout_kwargs=kwargs, compiler_options=options,
             rollout=ro if same else None, run_from=run_rollout if same else None)
     return Experiment(config, algo, policy, critic_cfg, env, ro, run_rollout, initial_states,
-                      update, val_sets, options, critic_params, mesh, state_shardings)
+                      update, val_sets, options, critic_params, mesh, state_shardings,
+                      init_state)
 
 
 def initial_train_state(exp: Experiment) -> trainer_lib.TrainState:
     """A fresh TrainState holding its own copies of the initial weights (the update donates
-    its state, and the experiment may start several runs), created in place on the mesh:
-    optimiser moments are born sharded like their weights."""
-    init = jax.jit(lambda actor, critic: trainer_lib.init_train_state(exp.algo, actor, critic),
-                   out_shardings=exp.state_shardings)
-    return init(exp.policy.params, exp.critic_params)
+    its state, and the experiment may start several runs), placed on the mesh."""
+    return exp.init_state(exp.policy.params, exp.critic_params)
 
 
 def state_target(exp: Experiment):

@@ -47,6 +47,10 @@ def inputs():
     return tokens, valid, chunk, chunk_valid
 
 
+def flat(tree):
+    return np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+
+
 def shard_strings(tree, names):
     flat = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
     out = {}
@@ -99,10 +103,8 @@ def run(name, mesh, results, placements, ckpt_dir=None):
         ckpt.save(1, tstate, {"step": 1})
         ckpt.close()
     tstate, metrics = update(tstate, traj, jax.random.key(2))
-    results[f"{name}/update2.actor"] = np.concatenate(
-        [np.ravel(x) for x in jax.tree_util.tree_leaves(tstate.actor_params)])
-    results[f"{name}/update2.critic"] = np.concatenate(
-        [np.ravel(x) for x in jax.tree_util.tree_leaves(tstate.critic_params)])
+    results[f"{name}/update2.actor"] = flat(tstate.actor_params)
+    results[f"{name}/update2.critic"] = flat(tstate.critic_params)
     return update
 
 
@@ -120,10 +122,8 @@ def resume_on_one_device(ckpt_dir, results):
         sorted({d.id for x in jax.tree_util.tree_leaves(tstate) for d in x.devices()}))
     update = TR.make_update(ALGO, CFG, CRITIC, compiler_options=FAST)
     tstate, _ = update(tstate, synthetic_trajectory(0), jax.random.key(2))
-    results["resumed/update2.actor"] = np.concatenate(
-        [np.ravel(x) for x in jax.tree_util.tree_leaves(tstate.actor_params)])
-    results["resumed/update2.critic"] = np.concatenate(
-        [np.ravel(x) for x in jax.tree_util.tree_leaves(tstate.critic_params)])
+    results["resumed/update2.actor"] = flat(tstate.actor_params)
+    results["resumed/update2.critic"] = flat(tstate.critic_params)
 
 
 def main(out_path):

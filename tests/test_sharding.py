@@ -11,7 +11,6 @@ import sys
 
 import jax
 import numpy as np
-import optax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
@@ -89,14 +88,10 @@ def test_optimizer_moments_follow_their_weights():
     cfg = M.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_dim=8, intermediate_size=64)
     mesh = abstract_mesh(1, 2, 2)
-    logical, abstract = M.logical_axes(cfg), M.abstract_params(cfg)
-    params_sh = jax.tree_util.tree_map(lambda names, x: sharding.spec(names, x.shape, mesh),
-                                       logical, abstract, is_leaf=lambda x: isinstance(x, P))
     tx = TR.make_optimizer(1e-3, TR.AlgoConfig())
-    opt = jax.eval_shape(tx.init, abstract)
-    out = optax.tree_map_params(tx, lambda _, s: s, opt, params_sh,
-                                transform_non_params=lambda _: P(),
-                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt = jax.eval_shape(tx.init, M.abstract_params(cfg))
+    out = jax.tree_util.tree_map(lambda s: s.spec, sharding.optimizer_shardings(
+        tx, opt, sharding.param_shardings(cfg, mesh), mesh))
     adam = out[1][0]
     assert adam.mu["layers"]["mlp"]["gate"]["kernel"] == P(None, "fsdp", "tensor")
     assert adam.nu["embed"]["embedding"] == P("tensor", "fsdp")
