@@ -38,6 +38,7 @@ from starpo import rollout as rollout_lib
 from starpo import sharding
 from starpo import trainer as trainer_lib
 from starpo import weights
+from starpo.trajectory import trimmed_length
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # Fields a resumed run may change; any other difference means "this is a different run".
@@ -257,19 +258,26 @@ def train_step(exp: Experiment, state, step: int):
                               jnp.float32(c.rollout.temperature))
     traj = jax.block_until_ready(traj)
     t1 = time.perf_counter()
-    state, um = exp.update(state, traj, k_update)
+    context = traj.tokens.shape[1]
+    trained = trimmed_length(int(sharding.to_host(traj.length.max())), context,
+                             c.trainer.context_bucket)
+    state, um = exp.update(state, traj.truncate(trained) if trained < context else traj,
+                           k_update)
     um = sharding.to_host(um)
     t2 = time.perf_counter()
     out = {k: float(v) for k, v in um.items()}
     for name, value in evaluate.summarize(traj, m, c.rollout.group_size).items():
         out[f"train/{c.env.name}/{name}"] = value
-    kept = round(exp.algo.rollout_filter_ratio * c.rollout.env_groups) / c.rollout.env_groups
-    trained_tokens = float(sharding.to_host(traj.length.sum())) * kept
+    # real tokens through the update's forward+backward passes: k mini-batches of `mini` of the
+    # N kept rows (the old-log-prob forward is in the time, not in the count)
+    N = round(exp.algo.rollout_filter_ratio * c.rollout.env_groups) * c.rollout.group_size
+    mini, k = trainer_lib.num_updates(exp.algo, N)
+    kept_tokens = float(sharding.to_host(traj.length.sum())) * N / traj.tokens.shape[0]
     out.update({
         "timing/rollout": t1 - t0, "timing/update": t2 - t1, "timing/step": t2 - t0,
         "perf/rollout_tokens_per_s": out[f"train/{c.env.name}/generated_tokens"] / (t1 - t0),
-        "perf/update_tokens_per_s": trained_tokens * (1 + out["trainer/updates_per_batch"]
-                                                      * exp.algo.ppo_epochs) / (t2 - t1),
+        "perf/update_tokens_per_s": kept_tokens * k * mini / N / (t2 - t1),
+        "perf/update_context": float(trained),
         "env/seed_counter": float((step + 1) * c.rollout.env_groups),
     })
     return state, out

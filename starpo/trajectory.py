@@ -74,6 +74,24 @@ class Trajectory:
         """The rows `rows` (int[N]) of every field, in that order."""
         return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), self)
 
+    def truncate(self, T: int) -> "Trajectory":
+        """The first T positions of every [B,T] field. Only padding may be cut: T must be at
+        least `length.max()` (turn_end positions are then all < T)."""
+        def cut(x):
+            return x[:, :T]
+        return self.replace(tokens=cut(self.tokens), loss_mask=cut(self.loss_mask),
+                            turn_index=cut(self.turn_index),
+                            sample_logprobs=cut(self.sample_logprobs))
+
+
+def trimmed_length(max_length: int, context: int, bucket: int) -> int:
+    """The context to train on: the longest row rounded up to a multiple of `bucket`, at most
+    `context` (`bucket` <= 0: the whole context). Rounding bounds the distinct shapes, so a run
+    compiles its update at most context / bucket times however its lengths vary."""
+    if bucket <= 0:
+        return context
+    return int(min(context, max(bucket, -(-max_length // bucket) * bucket)))
+
 
 def check_trajectory(traj: Trajectory, group_size: int) -> None:
     """Host-side check of the contract (for rollout tests and debugging; not jittable).

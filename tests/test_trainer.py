@@ -13,7 +13,7 @@ import pytest
 
 from starpo import model as M
 from starpo import trainer as TR
-from starpo.trajectory import Trajectory, check_trajectory
+from starpo.trajectory import Trajectory, check_trajectory, trimmed_length
 
 FAST = {"xla_backend_optimization_level": 0}
 _jit = functools.partial(jax.jit, compiler_options=FAST)
@@ -308,3 +308,35 @@ def test_kl_to_a_reference_in_reward_and_in_loss(params, traj):
     assert float(m["actor/kl_loss"]) == pytest.approx(np.mean(per_row), rel=1e-4)
     assert float(m["actor/loss"]) == pytest.approx(
         float(m["actor/pg_loss"]) + 0.5 * np.mean(per_row), rel=1e-4, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- trimming
+def test_trimmed_length_rounds_up_and_caps():
+    assert trimmed_length(515, 1024, 128) == 640
+    assert trimmed_length(640, 1024, 128) == 640
+    assert trimmed_length(1000, 1024, 128) == 1024  # never past the context
+    assert trimmed_length(3, 1024, 128) == 128
+    assert trimmed_length(515, 1024, 0) == 1024  # 0: no trimming
+
+
+def test_update_on_the_trimmed_context_equals_the_full_one(params, traj, ppo_update):
+    """Cutting the padding off the context changes nothing the update computes (PPO with a
+    critic and GAE past warm-up: positions enter the values, the returns and the losses)."""
+    actor0, critic0 = params
+    n = int(np.asarray(traj.length).max())
+    assert n < T
+    short = traj.truncate(n)
+    assert short.tokens.shape == (GROUPS * GROUP_SIZE, n)
+    check_trajectory(short, GROUP_SIZE)
+    results = []
+    for t in (traj, short):
+        state = TR.init_train_state(PPO, copy(actor0), copy(critic0))
+        state = state.replace(step=jnp.ones((), jnp.int32))  # past the critic warm-up
+        results.append(ppo_update(state, t, jax.random.key(3)))
+    (full_state, full_m), (short_state, short_m) = results
+    assert float(full_m["actor/online_k"]) == 3
+    assert set(full_m) == set(short_m)
+    for name in full_m:
+        assert float(short_m[name]) == pytest.approx(float(full_m[name]), rel=1e-4, abs=1e-6), name
+    assert_trees_close(short_state.actor_params, full_state.actor_params, rtol=1e-4, atol=1e-6)
+    assert_trees_close(short_state.critic_params, full_state.critic_params, rtol=1e-4, atol=1e-6)
