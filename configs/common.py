@@ -44,8 +44,9 @@ def base(env: str, **env_options) -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict(dict(
         path="smollm2-135m-instruct",  # embedded name, HF directory, .gguf file, or tiny:...
         critic_path="",  # "" = the actor's initial weights plus a zero value head (the reference)
-        # matmul inputs: "auto" = bfloat16 on GPU/TPU, float32 on CPU (where XLA's pure bf16 is
-        # slower); matmuls accumulate in float32 and the master weights stay float32 either way
+        # matmul inputs: "auto" = bfloat16 on GPU/TPU; on CPU float32 for decoding (XLA:CPU's
+        # bf16 dots with few rows are slower) and bfloat16 for prefill and the update; matmuls
+        # accumulate in float32 and the master weights stay float32 either way
         dtype="auto",
         remat=True,  # rematerialise layers in the update: memory for ~30% more compute
     ))
@@ -144,7 +145,7 @@ def tiny(c: ml_collections.ConfigDict) -> None:
     """
     c.model.update(dict(
         path="tiny:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,mlp=128,vocab=128,seed=0",
-        remat=False))
+        remat=False, dtype="float32"))  # matmuls this small gain nothing from bfloat16
     c.rollout.update(dict(env_groups=16, group_size=4, max_turn=5, response_length=1,
                           max_context=256, enable_think=False))
     c.val.update(dict(env_groups=64, group_size=1, test_freq=10))

@@ -747,7 +747,7 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                  thinking: bool = True, top_k: int = 0, top_p: float = 1.0,
                  max_actions_per_turn: int | None = None, max_actions_per_traj: int | None = None,
                  tag: int = 0, cache_dtype=None, length_prompt: int | None = None,
-                 compiler_options: dict | None = None) -> Rollout:
+                 compiler_options: dict | None = None, prefill_dtype: str | None = None) -> Rollout:
     """A jitted full rollout of `env_groups x group_size` episodes of `env`.
 
     `Rollout.run(params, key, seed, temperature, stream)` -> (Trajectory, metrics):
@@ -761,12 +761,15 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     Trajectory length T = max_context. `length_prompt` is the N of the prompt's "Max response
     length: N words (tokens)" (default max_new_tokens, as the reference). `compiler_options`
     go to `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster compiles of tiny models
-    on CPU).
+    on CPU). `prefill_dtype`: matmul dtype of appending the prompt and the observations (many
+    tokens per row: compute-bound); replies decode in `model_cfg.dtype` (None: that for both).
     """
     etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
     tables = build_tables(tokenizer, etext, max_turn, length_prompt or max_new_tokens, thinking)
     smp = sampler_lib.make_sampler(model_cfg, tokenizer, max_new_tokens,
-                                   stop=("</answer>",), top_k=top_k, top_p=top_p)
+                                   stop=("</answer>",), top_k=top_k, top_p=top_p,
+                                   prefill_dtype=prefill_dtype)
+    prefill_cfg = model_cfg.replace(dtype=prefill_dtype or model_cfg.dtype)
     stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(
         _padded_token_bytes(tokenizer, model_cfg.vocab_size)))
     parse_table = parse_byte_table(tokenizer, model_cfg.vocab_size)
@@ -782,7 +785,7 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
             return _SamplerView(st), turn
 
         def prefill(ps, chunk):
-            return _SamplerView(append_without_reply(model_cfg, params, ps.inner, chunk))
+            return _SamplerView(append_without_reply(prefill_cfg, params, ps.inner, chunk))
 
         traj, metrics, _ = _episodes(spec, etext, tables, parse_table, prefill, policy_turn,
                                      _SamplerView(pstate), env_state, group_id, key)

@@ -42,10 +42,11 @@ from starpo.trajectory import trimmed_length
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # Fields a resumed run may change; any other difference means "this is a different run".
-# A checkpoint restores onto any mesh, so the mesh may change too.
+# A checkpoint restores onto any mesh, so the mesh may change too; the length the update's
+# context is cut to changes only padding.
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_checkpoints",
                      "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
-                     "val.before_train", "mesh.data", "mesh.fsdp", "mesh.tensor",
+                     "val.before_train", "trainer.context_bucket", "mesh.data", "mesh.fsdp", "mesh.tensor",
                      "mesh.distributed")
 
 
@@ -70,7 +71,8 @@ def rollout_kwargs(config) -> dict:
     return dict(max_turn=r.max_turn, max_new_tokens=r.response_length,
                 max_context=r.max_context, thinking=r.enable_think, top_k=r.top_k, top_p=r.top_p,
                 max_actions_per_turn=r.max_actions_per_turn or None,
-                max_actions_per_traj=r.max_actions_per_traj or None)
+                max_actions_per_traj=r.max_actions_per_traj or None,
+                prefill_dtype=phase_dtypes(config)["prefill"])
 
 
 def make_env(config, tag: str):
@@ -98,11 +100,27 @@ def tiny_tokenizer_args(config) -> tuple[list[str], dict]:
                         added_tokens=tuple(added))
 
 
+def phase_dtypes(config) -> dict[str, str]:
+    """Matmul input dtypes of each phase: {"decode", "prefill", "update"}. Matmuls accumulate
+    in float32 and master weights stay float32 whatever these are.
+
+    `model.dtype` "auto": bfloat16 everywhere on GPU/TPU. On CPU, decode (a few rows per
+    matmul, bound by reading the weights) stays float32, because XLA:CPU's bfloat16 dots with
+    few rows run 2-4x slower than float32 ones; prefill and the update (hundreds of rows per
+    matmul, compute-bound) take bfloat16 inputs, which run about twice the float32 rate there.
+    Any other value is used for every phase.
+    """
+    d = config.model.dtype
+    if d != "auto":
+        return dict(decode=d, prefill=d, update=d)
+    if jax.default_backend() != "cpu":
+        return dict(decode="bfloat16", prefill="bfloat16", update="bfloat16")
+    return dict(decode="float32", prefill="bfloat16", update="bfloat16")
+
+
 def model_dtype(config) -> str:
-    """The matmul dtype: `model.dtype`, where "auto" is bfloat16 on GPU/TPU, float32 on CPU."""
-    if config.model.dtype != "auto":
-        return config.model.dtype
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    """The model config's own dtype (the decode one; see `phase_dtypes`)."""
+    return phase_dtypes(config)["decode"]
 
 
 def load_policy(config) -> weights.LoadedModel:
@@ -116,13 +134,13 @@ def load_policy(config) -> weights.LoadedModel:
 def critic_params_from(config, actor: weights.LoadedModel):
     """(critic cfg, params): a value-head copy of the actor (the reference), or model.critic_path."""
     if config.model.critic_path:
-        c = weights.load_model(config.model.critic_path, dtype=model_dtype(config),
+        c = weights.load_model(config.model.critic_path, dtype=phase_dtypes(config)["update"],
                                remat=config.model.remat, value_head=True)
         if c.cfg.vocab_size != actor.cfg.vocab_size:
             raise ValueError(f"critic {config.model.critic_path} has vocabulary {c.cfg.vocab_size}, "
                              f"the actor {actor.cfg.vocab_size}")
         return c.cfg, c.params
-    cfg = actor.cfg.replace(value_head=True)
+    cfg = actor.cfg.replace(value_head=True, dtype=phase_dtypes(config)["update"])
     D = cfg.hidden_size
     params = jax.tree_util.tree_map(jnp.array, actor.params)  # own buffers: the state is donated
     params["value_head"] = {"kernel": jnp.zeros((D, 1), jnp.float32),
@@ -186,7 +204,8 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
     critic_cfg, critic_params = critic_params_from(config, policy) if algo.uses_critic else (
         None, None)
     state_shardings = trainer_lib.state_shardings(algo, mesh, policy.cfg, critic_cfg)
-    update = trainer_lib.make_update(algo, policy.cfg, critic_cfg, compiler_options=options,
+    update_cfg = policy.cfg.replace(dtype=phase_dtypes(config)["update"])
+    update = trainer_lib.make_update(algo, update_cfg, critic_cfg, compiler_options=options,
                                      state_shardings=state_shardings, mesh=mesh)
     # a fresh state is created in place on the mesh: Adam moments born sharded like weights
     init_state = jax.jit(lambda actor, critic: trainer_lib.init_train_state(algo, actor, critic),

@@ -45,6 +45,19 @@ def test_paper_defaults():
         f for f in trainer.AlgoConfig.__dataclass_fields__}
 
 
+def test_phase_dtypes():
+    """"auto" on CPU: float32 decoding, bfloat16 prefill and update; anything else everywhere."""
+    c = frozenlake.get_config("cpu")
+    assert training.phase_dtypes(c) == dict(decode="float32", prefill="bfloat16",
+                                            update="bfloat16")
+    assert training.rollout_kwargs(c)["prefill_dtype"] == "bfloat16"
+    assert training.model_dtype(c) == "float32"
+    c.unlock()
+    c.model.dtype = "float32"
+    assert set(training.phase_dtypes(c).values()) == {"float32"}
+    assert set(training.phase_dtypes(frozenlake.get_config("tiny")).values()) == {"float32"}
+
+
 def test_resume_accepts_only_harmless_changes():
     c = frozenlake.get_config("tiny")
     saved = training.config_json(c)
