@@ -10,6 +10,12 @@ the env prefix (identical in every row) are appended once without a reply; then 
   -> reply bytes (per-token byte table) -> parse (the reference's regex, on device)
   -> env steps (vmap, up to max_actions_per_turn, budget, done) -> next observation piece ids
 
+`make_mixed_rollout(((env_a, groups_a), (env_b, groups_b), ...), ...)` plays a batch that
+mixes env variants (the reference's env tags with group counts): rows env by env, each with
+its own env's prefix, observations, parser, budgets and dynamics (env states: a tuple, each
+env vmapped over its static row slice), all decoded as one sampler batch; `Trajectory.tag` is
+the env's index. A one-env rollout is the mix of one env.
+
 The dialogue is the reference's (REFERENCE.md §3) rendered through the model's chat template:
 system `You're a helpful assistant. `, first user message = env prefix + `\\nTurn 1:\\nState:\\n`
 + state + `\\nYou have N actions left. Always output: ...\\n`, generation primed with `<think>`

@@ -3,7 +3,9 @@
 Scripted replies (tests/rollout_fixtures, as in test_rollout_golden.py, whose compiled one-env
 programs these references share) and a tiny random model at temperature 0: the rows of a mixed
 batch equal the one-env batches' rows with the same levels, though the envs differ in prompt
-prefix, observation width, action names, budgets and state type.
+prefix, observation width, action names, budgets and state type. With the model, one env's
+rows are compared with a one-env rollout and every row with an unbatched forward pass (a
+compiled rollout per env would double this module's time).
 """
 
 import json
@@ -16,7 +18,7 @@ import pytest
 
 import envs
 from starpo import model as model_lib
-from starpo import rollout, weights
+from starpo import evaluate, rollout, weights
 from starpo.trajectory import check_trajectory
 
 FIXTURES = json.load(open(os.path.join(os.path.dirname(__file__), "rollout_fixtures",
@@ -91,6 +93,16 @@ def test_mixed_scripted_rows_equal_one_env_runs(scripted):
     assert row == len(names)
 
 
+def test_per_tag_summaries_of_a_mixed_batch(scripted):
+    _, _, (traj, metrics, _) = scripted
+    mix = tuple((env.name, sum(len(b) for b in batches)) for env, batches in MIX)
+    out = evaluate.summarize_mix(traj, metrics, mix, 1)
+    assert len(out) == 3 * len(evaluate.summarize(traj, metrics, 1))
+    assert (out["FrozenLake/success"], out["FrozenLake/num_actions"]) == (1.0, 3.0)
+    assert (out["SimpleSokoban/success"], out["SimpleSokoban/num_actions"]) == (0.5, 8.5)
+    assert (out["Bandit/success"], out["Bandit/num_actions"]) == (0.5, 1.0)
+
+
 # ----------------------------------------------------------------------------- model path
 GROUP_SIZE, TURNS, MODEL_TOKENS, CONTEXT = 2, 2, 8, 768
 FAST = {"xla_backend_optimization_level": 0}  # tiny rollouts compile ~2x faster
@@ -99,9 +111,7 @@ FAST = {"xla_backend_optimization_level": 0}  # tiny rollouts compile ~2x faster
 @pytest.fixture(scope="module")
 def model_runs():
     """A Bandit + FrozenLake batch (the Bandit's prefix is the shorter, its observations the
-    wider: both kinds of padding) and, as reference, a FrozenLake-only batch of the same levels.
-    One more compiled rollout per env would make this the slowest rollout test; the Bandit rows
-    are checked against an unbatched forward pass instead (which a one-env rollout equals)."""
+    wider: both kinds of padding) and, as reference, a FrozenLake-only batch of the same levels."""
     m = weights.load_model("tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64")
     mix = ((envs.make("Bandit"), 1), (envs.make("FrozenLake", is_slippery=False), 2))
     kw = dict(group_size=GROUP_SIZE, max_turn=TURNS, max_new_tokens=MODEL_TOKENS,
