@@ -618,6 +618,8 @@ def _episodes(spec: RolloutSpec, texts, tables, parse_table, prefill, policy_tur
     M = spec.max_turn
     B = group_id.shape[0]
     sizes = [jax.tree_util.tree_leaves(s)[0].shape[0] for s in env_states]
+    if sum(sizes) != B:
+        raise ValueError(f"env states of {sizes} rows for a batch of {B} rows")
     rows = [slice(int(e - n), int(e)) for e, n in zip(np.cumsum(sizes), sizes)]
     budget = jnp.asarray(np.repeat([t.max_actions_per_traj for t in texts], sizes), jnp.int32)
     prime = b"<think>" if spec.thinking else b"<answer>"
