@@ -65,6 +65,11 @@ def base(env: str, **env_options) -> ml_collections.ConfigDict:
         # envs.make(name, **options): every option of the env with its default, so that
         # `--config.env.options.is_slippery=False` style overrides are type-checked
         options=ml_collections.ConfigDict({**env_defaults(env), **env_options}),
+        # several env variants in every training batch, e.g. "SimpleSokoban:6,LargerSokoban:2"
+        # (tag:groups, summing to rollout.env_groups; `options` apply to `name` only; metrics
+        # train/<tag>/...; rows carry the tag's index for inductive reward normalisation);
+        # "" = all groups of `name`
+        mix="",
     ))
 
     c.rollout = ml_collections.ConfigDict(dict(

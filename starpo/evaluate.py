@@ -2,7 +2,8 @@
 
 `summarize` turns one rollout's Trajectory and per-episode metrics into the scalars a run logs
 per env tag (the reference's `success`, `pass@k`, `num_actions`, `action_is_valid`,
-`action_is_effective`, plus response length, score, turns, format errors, truncation, context).
+`action_is_effective`, plus response length, score, turns, format errors, truncation, context);
+`summarize_mix` does it per tag of a batch that mixes env variants.
 `EvalSet` is a fixed set of held-out levels of one env variant (the validation stream, disjoint
 from training), played by a jitted rollout at a given temperature; training validates on it
 and `launch/eval.py` prints a table of it.
@@ -11,6 +12,7 @@ and `launch/eval.py` prints a table of it.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +54,19 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
         "generated_tokens": np.sum(m["response_length"]),
     }
     return {k: float(v) for k, v in out.items()}
+
+
+def summarize_mix(traj, metrics, mix, group_size: int) -> dict[str, float]:
+    """`summarize` per env variant of a batch whose rows are laid out env by env:
+    mix = ((tag, groups), ...) -> scalars named `<tag>/<name>`."""
+    t, m = sharding.to_host((traj, metrics))
+    out, start = {}, 0
+    for tag, groups in mix:
+        rows = slice(start, start + groups * group_size)
+        part = jax.tree_util.tree_map(operator.itemgetter(rows), (t, m))
+        out.update({f"{tag}/{k}": v for k, v in summarize(*part, group_size).items()})
+        start = rows.stop
+    return out
 
 
 def dialogue(tokenizer, traj, row: int = 0) -> str:

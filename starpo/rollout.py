@@ -10,6 +10,12 @@ the env prefix (identical in every row) are appended once without a reply; then 
   -> reply bytes (per-token byte table) -> parse (the reference's regex, on device)
   -> env steps (vmap, up to max_actions_per_turn, budget, done) -> next observation piece ids
 
+`make_mixed_rollout(((env_a, groups_a), (env_b, groups_b), ...), ...)` plays a batch that
+mixes env variants (the reference's env tags with group counts): rows env by env, each with
+its own env's prefix, observations, parser, budgets and dynamics (env states: a tuple, each
+env vmapped over its static row slice), all decoded as one sampler batch; `Trajectory.tag` is
+the env's index. A one-env rollout is the mix of one env.
+
 The dialogue is the reference's (REFERENCE.md §3) rendered through the model's chat template:
 system `You're a helpful assistant. `, first user message = env prefix + `\\nTurn 1:\\nState:\\n`
 + state + `\\nYou have N actions left. Always output: ...\\n`, generation primed with `<think>`
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -515,64 +521,147 @@ def script_replies(tokenizer, replies: list[list[str]], max_turn: int, max_new_t
 # ------------------------------------------------------------------------------ the episode loop
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
-    """Static settings of a rollout (hashable)."""
+    """Static settings of a rollout (hashable). Rows of `envs[i]` carry tag `tags[i]`."""
 
-    env: object
+    envs: tuple
+    tags: tuple
     max_turn: int
     max_context: int
     max_new_tokens: int
     thinking: bool
-    tag: int
 
 
-def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, prefill,
-              policy_turn, pstate, env_state, group_id, key):
-    """Play a batch of episodes from env_state [B].
+class _Pieces(NamedTuple):
+    """The piece tokens of every env of a batch in one table (what `assemble` gathers from)."""
 
-    prefill(pstate, chunk [B,P]) -> pstate appends the fixed prompt prefix without replying;
-    policy_turn(pstate, chunk, valid, key, active, k) -> (pstate, Turn) appends an observation
-    and replies; pstate has tokens/logprobs/generated [B,S] and `end` [B]."""
-    env, M = spec.env, spec.max_turn
+    tokens: np.ndarray  # [P,W]
+    lengths: np.ndarray  # [P]
+
+
+def _stack_pieces(tables) -> tuple[_Pieces, np.ndarray]:
+    """One piece table over the envs' tables, and each env's id offset in it."""
+    width = max(t.tokens.shape[1] for t in tables)
+    tokens = np.concatenate([np.pad(t.tokens, ((0, 0), (0, width - t.tokens.shape[1])))
+                             for t in tables])
+    offsets = np.cumsum([0] + [len(t.lengths) for t in tables])[:-1]
+    return _Pieces(tokens, np.concatenate([t.lengths for t in tables])), offsets
+
+
+def _state_pieces(etext, tables: DialogueTables, state):
+    """Piece ids [b, etext.width] of b states of one env (0 = nothing)."""
+    r = jax.vmap(etext.render)(state)
+    return jnp.where(r >= 0, r + tables.env_offset, 0).astype(jnp.int32)
+
+
+def _chunk_width(etext, tables: DialogueTables) -> int:
+    """Tokens of the widest observation chunk (the first one or a later one) of an env."""
+    ids, maxlen = tables.ids, tables.lengths
+    state_max = etext.width * maxlen[tables.env_offset:].max()
+    first = (maxlen[ids["header1"][1]] + state_max + maxlen[ids["left"]].max()
+             + maxlen[ids["gen"]])
+    close_ids = np.concatenate([[ids["close"]], tables.close_by_eos])
+    later = (maxlen[close_ids].max() + maxlen[ids["reward"]] + (2 + INT_DIGITS + FRAC_DIGITS)
+             * maxlen[np.concatenate([ids["digit"], [ids["minus"], ids["point"]]])].max()
+             + maxlen[ids["header2"][1:]].max() + state_max + maxlen[ids["left"]].max()
+             + maxlen[ids["gen"]])
+    return int(max(first, later))
+
+
+def _play_actions(env, etext, thinking: bool, env_state, x, happened, budget_left, success,
+                  keys):
+    """Parse the replies of one env's rows and run their valid actions (env steps vmapped).
+
+    x [b,L] reply bytes (`reply_bytes`), happened [b] (a reply was written), budget_left [b],
+    success [b] (so far), keys [R',b] with R' >= etext.max_actions_per_turn.
+    Returns (env_state, n_parsed, n_valid, reward, done, executed, effective_last, success,
+    n_effective), the arrays [b]: this turn's, success and env state updated."""
+    R = etext.max_actions_per_turn
+    b = x.shape[0]
+    name_idx, n_parsed = parse_bytes(x, etext.action_names, R, thinking)
+    n_parsed = jnp.where(happened, n_parsed, 0)
+    is_valid = (name_idx >= 0) & happened[:, None]
+    n_valid = jnp.sum(is_valid, axis=1).astype(jnp.int32)
+    order = jnp.argsort(~is_valid, axis=1, stable=True)
+    valid_idx = jnp.take_along_axis(name_idx, order, axis=1)  # valid ones first
+
+    def act(s, a):
+        st, reward, done, executed, eff, succ, n_eff = a
+        run = happened & (s < n_valid) & (s < budget_left) & ~done
+        action = jax.vmap(env.name_to_action)(st, valid_idx[:, s])
+        new, r, d, info = jax.vmap(env.step)(keys[s], st, action)
+        st = jax.tree_util.tree_map(
+            lambda n, o: jnp.where(run.reshape(run.shape + (1,) * (n.ndim - 1)), n, o), new, st)
+        return (st, reward + jnp.where(run, r, 0.0), done | (run & d), executed + run,
+                jnp.where(run, info["action_is_effective"], eff),
+                succ | (run & info["success"]),
+                n_eff + (run & info["action_is_effective"]))
+
+    init = (env_state, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool),
+            jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), success,
+            jnp.zeros((b,), jnp.int32))
+    st, reward, done, executed, eff_last, success, n_eff = jax.lax.fori_loop(0, R, act, init)
+    return st, n_parsed, n_valid, reward, done, executed, eff_last, success, n_eff
+
+
+def _episodes(spec: RolloutSpec, texts, tables, parse_table, prefill, policy_turn, pstate,
+              env_states, group_id, key):
+    """Play a batch of episodes of one or several env variants.
+
+    env_states: a tuple with one state [B_i] per env variant (its `texts[i]`, `tables[i]`);
+    rows are laid out env by env (B = sum B_i). Every row has its own env's prompt prefix,
+    observations, parser, budgets and dynamics; all rows share one policy batch.
+    prefill(pstate, chunk [B,P], valid [B,P]) -> pstate appends each row's fixed prompt prefix
+    (left-aligned in the chunk) without replying; policy_turn(pstate, chunk, valid, key,
+    active, k) -> (pstate, Turn) appends an observation and replies; pstate has
+    tokens/logprobs/generated [B,S] and `end` [B].
+    Returns (Trajectory, metrics, tuple of final env states)."""
+    M = spec.max_turn
     B = group_id.shape[0]
-    R, budget = etext.max_actions_per_turn, etext.max_actions_per_traj
-    names = etext.action_names
+    sizes = [jax.tree_util.tree_leaves(s)[0].shape[0] for s in env_states]
+    if sum(sizes) != B:
+        raise ValueError(f"env states of {sizes} rows for a batch of {B} rows")
+    rows = [slice(int(e - n), int(e)) for e, n in zip(np.cumsum(sizes), sizes)]
+    budget = jnp.asarray(np.repeat([t.max_actions_per_traj for t in texts], sizes), jnp.int32)
     prime = b"<think>" if spec.thinking else b"<answer>"
     table, tlens = (jnp.asarray(a) for a in parse_table)
-    ids = tables.ids
-    render = jax.vmap(etext.render)
+    pieces, offsets = _stack_pieces(tables)
 
-    def state_pieces(s):
-        r = render(s)
-        return jnp.where(r >= 0, r + tables.env_offset, 0).astype(jnp.int32)
+    def full(n, v):
+        return jnp.full((n, 1), v, jnp.int32)
 
-    def full(v):
-        return jnp.full((B, 1), v, jnp.int32)
+    def observation(per_env):
+        """Piece ids [B,K] of the stacked table from each env's own piece ids [B_i,K_i]."""
+        K = max(p.shape[1] for p in per_env)
+        return jnp.concatenate([jnp.pad(jnp.where(p > 0, p + off, 0), ((0, 0), (0, K - p.shape[1])))
+                                for p, off in zip(per_env, offsets)], axis=0)
 
-    # The system prompt and the env prefix are the same in every row and every episode: they
-    # are appended once, without a reply. Every turn's observation then has one width C.
-    prefix_tokens = np.concatenate([tables.tokens[i, :tables.lengths[i]]
-                                    for i in (ids["start"], ids["prefix"])])
-    first_ids = jnp.concatenate([
-        full(ids["header1"][1]), state_pieces(env_state), full(ids["left"][budget]),
-        full(ids["gen"])], axis=1)
-    maxlen = tables.lengths
-    state_max = etext.width * maxlen[tables.env_offset:].max()
-    C_first = int(maxlen[ids["header1"][1]] + state_max + maxlen[ids["left"]].max()
-                  + maxlen[ids["gen"]])
-    close_ids = np.concatenate([[ids["close"]], tables.close_by_eos])
-    C_later = int(maxlen[close_ids].max() + maxlen[ids["reward"]] + (2 + INT_DIGITS + FRAC_DIGITS)
-                  * maxlen[np.concatenate([ids["digit"], [ids["minus"], ids["point"]]])].max()
-                  + maxlen[ids["header2"][1:]].max() + state_max + maxlen[ids["left"]].max()
-                  + maxlen[ids["gen"]])
-    C = max(C_first, C_later)
-    if len(prefix_tokens) + C >= spec.max_context:
-        raise ValueError(f"max_context {spec.max_context} cannot hold the prompt prefix "
-                         f"({len(prefix_tokens)} tokens) and a first observation ({C})")
+    # The system prompt and the env prefix are the same in every row of an env and in every
+    # episode: they are appended once, without a reply (left-aligned, padded to the longest
+    # env's). Every turn's observation then has one width C, the widest env's.
+    prefixes = [np.concatenate([t.tokens[i, :t.lengths[i]]
+                                for i in (t.ids["start"], t.ids["prefix"])]) for t in tables]
+    P = max(len(p) for p in prefixes)
+    prefix = jnp.concatenate([jnp.broadcast_to(jnp.asarray(np.pad(p, (0, P - len(p))), jnp.int32),
+                                               (n, P)) for p, n in zip(prefixes, sizes)])
+    prefix_valid = jnp.concatenate([jnp.broadcast_to(jnp.arange(P) < len(p), (n, P))
+                                    for p, n in zip(prefixes, sizes)])
+    first_ids = observation([
+        jnp.concatenate([full(n, t.ids["header1"][1]), _state_pieces(e, t, s),
+                         full(n, t.ids["left"][e.max_actions_per_traj]), full(n, t.ids["gen"])],
+                        axis=1)
+        for e, t, s, n in zip(texts, tables, env_states, sizes)])
+    widths = [_chunk_width(e, t) for e, t in zip(texts, tables)]
+    C = max(widths)
+    for p, w in zip(prefixes, widths):
+        if len(p) + w >= spec.max_context:
+            raise ValueError(f"max_context {spec.max_context} cannot hold the prompt prefix "
+                             f"({len(p)} tokens) and a first observation ({w})")
 
     zeros_f = jnp.zeros((B, M), jnp.float32)
     zeros_i = jnp.zeros((B, M), jnp.int32)
     carry0 = dict(
-        pstate=pstate, env=env_state, alive=jnp.ones((B,), bool), num_actions=jnp.zeros((B,), jnp.int32),
+        pstate=pstate, env=tuple(env_states), alive=jnp.ones((B,), bool),
+        num_actions=jnp.zeros((B,), jnp.int32),
         success=jnp.zeros((B,), bool), penalty=jnp.zeros((B,), jnp.float32),
         truncated=jnp.zeros((B,), bool), turn_start=jnp.full((B, M), -1, jnp.int32),
         turn_end=jnp.full((B, M), -1, jnp.int32), turn_reward=zeros_f, ran=zeros_i,
@@ -601,32 +690,14 @@ def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, pre
         full_ctx = c["alive"] & (turn.stop_reason == sampler_lib.CONTEXT_FULL)
 
         x = reply_bytes(turn.tokens, turn.length, table, tlens, prime)
-        name_idx, n_parsed = parse_bytes(x, names, R, spec.thinking)
-        n_parsed = jnp.where(happened, n_parsed, 0)
-        is_valid = (name_idx >= 0) & happened[:, None]
-        n_valid = jnp.sum(is_valid, axis=1).astype(jnp.int32)
-        order = jnp.argsort(~is_valid, axis=1, stable=True)
-        valid_idx = jnp.take_along_axis(name_idx, order, axis=1)  # valid ones first
         budget_left = budget - c["num_actions"]
-        keys = jax.random.split(key, (R, B))
-
-        def act(s, a):
-            st, reward, done, executed, eff, succ, n_eff = a
-            run = happened & (s < n_valid) & (s < budget_left) & ~done
-            action = jax.vmap(env.name_to_action)(st, valid_idx[:, s])
-            new, r, d, info = jax.vmap(env.step)(keys[s], st, action)
-            st = jax.tree_util.tree_map(
-                lambda n, o: jnp.where(run.reshape(run.shape + (1,) * (n.ndim - 1)), n, o), new, st)
-            return (st, reward + jnp.where(run, r, 0.0), done | (run & d), executed + run,
-                    jnp.where(run, info["action_is_effective"], eff),
-                    succ | (run & info["success"]),
-                    n_eff + (run & info["action_is_effective"]))
-
-        init = (c["env"], jnp.zeros((B,), jnp.float32), jnp.zeros((B,), bool),
-                jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), c["success"],
-                jnp.zeros((B,), jnp.int32))
-        env_state, reward, done, executed, eff_last, success, n_eff = jax.lax.fori_loop(
-            0, R, act, init)
+        keys = jax.random.split(key, (max(t.max_actions_per_turn for t in texts), B))
+        per_env = [_play_actions(env, e, spec.thinking, s, x[r], happened[r], budget_left[r],
+                                 c["success"][r], keys[:, r])
+                   for env, e, s, r in zip(spec.envs, texts, c["env"], rows)]
+        env_state = tuple(p[0] for p in per_env)
+        n_parsed, n_valid, reward, done, executed, eff_last, success, n_eff = (
+            jnp.concatenate(a) for a in zip(*(p[1:] for p in per_env)))
         num_actions = c["num_actions"] + executed
         bad = happened & ((n_valid != n_parsed) | (n_valid == 0))
         ended = c["alive"] & (done | (num_actions >= budget) | (k + 1 >= M) | full_ctx | ~happened)
@@ -653,30 +724,34 @@ def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, pre
     def next_ids(c, k):
         """Piece ids of the observation before turn k (k >= 1)."""
         is_eos = c["last_reason"] == sampler_lib.EOS
-        close = jnp.full((B,), ids["close"], jnp.int32)
-        for e, p in zip(tables.eos_ids, tables.close_by_eos):
-            close = jnp.where(is_eos & (c["last_token"] == e), p, close)
-        left = jnp.asarray(ids["left"])[jnp.clip(budget - c["num_actions"], 0, budget)]
-        header = jnp.asarray(ids["header2"])[jnp.minimum(k + 1, M)]  # "Turn k+1"
-        return jnp.concatenate([
-            close[:, None], full(ids["reward"]), reward_pieces(tables, c["reward"], c["any_ran"]),
-            jnp.broadcast_to(header, (B, 1)).astype(jnp.int32),
-            state_pieces(c["env"]), left[:, None], full(ids["gen"])], axis=1)
+        per_env = []
+        for e, t, s, r, n in zip(texts, tables, c["env"], rows, sizes):
+            ids, budget_e = t.ids, e.max_actions_per_traj
+            close = jnp.full((n,), ids["close"], jnp.int32)
+            for eos, p in zip(t.eos_ids, t.close_by_eos):
+                close = jnp.where(is_eos[r] & (c["last_token"][r] == eos), p, close)
+            left = jnp.asarray(ids["left"])[jnp.clip(budget_e - c["num_actions"][r], 0, budget_e)]
+            header = jnp.asarray(ids["header2"])[jnp.minimum(k + 1, M)]  # "Turn k+1"
+            per_env.append(jnp.concatenate([
+                close[:, None], full(n, ids["reward"]),
+                reward_pieces(t, c["reward"][r], c["any_ran"][r]),
+                jnp.broadcast_to(header, (n, 1)).astype(jnp.int32), _state_pieces(e, t, s),
+                left[:, None], full(n, ids["gen"])], axis=1))
+        return observation(per_env)
 
     def body(k, loop):
         c, key = loop
         key, k_env, k_pol = jax.random.split(key, 3)
         later = next_ids(c, k)
         first = jnp.pad(first_ids, ((0, 0), (0, later.shape[1] - first_ids.shape[1])))
-        chunk, valid = assemble(tables, jnp.where(k == 0, first, later), C)
+        chunk, valid = assemble(pieces, jnp.where(k == 0, first, later), C)
         c = policy_step(c, k, chunk, valid, k_pol)
         return process(c, k, k_env), key
 
     # The barrier keeps XLA from constant-folding the prefix's forward pass (constant tokens
     # into an all-zero cache: minutes of compile time for nothing).
-    prefix = jnp.broadcast_to(jnp.asarray(prefix_tokens, jnp.int32), (B, len(prefix_tokens)))
-    pstate, prefix = jax.lax.optimization_barrier((pstate, prefix))
-    pstate = prefill(pstate, prefix)
+    pstate, prefix, prefix_valid = jax.lax.optimization_barrier((pstate, prefix, prefix_valid))
+    pstate = prefill(pstate, prefix, prefix_valid)
     c = {**carry0, "pstate": pstate, "reward": jnp.zeros((B,), jnp.float32),
          "any_ran": jnp.zeros((B,), bool),
          "turn": sampler_lib.Turn(jnp.zeros((B, spec.max_new_tokens), jnp.int32),
@@ -699,7 +774,7 @@ def _episodes(spec: RolloutSpec, etext, tables: DialogueTables, parse_table, pre
         sample_logprobs=jnp.where(loss_mask, ps.logprobs, 0.0), turn_end=c["turn_end"],
         turn_reward=c["turn_reward"], penalty=c["penalty"], success=c["success"],
         num_actions=c["num_actions"], group_id=group_id.astype(jnp.int32),
-        tag=jnp.full((B,), spec.tag, jnp.int32), length=length.astype(jnp.int32))
+        tag=jnp.asarray(np.repeat(spec.tags, sizes), jnp.int32), length=length.astype(jnp.int32))
     turns = jnp.sum(c["turn_end"] >= 0, axis=1)
     per_turn = jnp.maximum(turns, 1).astype(jnp.float32)
     metrics = {
@@ -730,16 +805,52 @@ def _initial_states(env, key, seed, stream, env_groups, group_size):
     return jax.tree_util.tree_map(rep, states), rep(group_seed)
 
 
+def mixed_initial_states(mix, key, seed, stream, group_size):
+    """Initial states of a mixed batch, mix = ((env, groups), ...): (a tuple with one state
+    [groups_i * group_size] per env, group_id [B]). Group g of env i resets as in
+    `_initial_states` from seed + (groups of the envs before i) + g, so every group of the
+    batch has its own seed (its group id) and a batch of G groups uses seeds seed .. seed+G-1,
+    as a single-env batch does."""
+    states, group_ids, before = [], [], 0
+    for env, groups in mix:
+        s, g = _initial_states(env, key, jnp.asarray(seed, jnp.int32) + before, stream, groups,
+                               group_size)
+        states.append(s)
+        group_ids.append(g)
+        before += groups
+    return tuple(states), jnp.concatenate(group_ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    """What `make_rollout` builds: the jitted `run` and the host-side tables it closes over."""
+    """What `make_rollout` / `make_mixed_rollout` build: the jitted `run` and the host-side
+    tables it closes over (one EnvText and DialogueTables per env variant)."""
 
     run: Callable
-    run_from: Callable  # (params, key, env_state [B], group_id [B], temperature): given levels
+    # (params, key, env_state, group_id, temperature): given levels; env_state [B], or for a
+    # mixed rollout a tuple with one state [B_i] per env
+    run_from: Callable
     spec: RolloutSpec
-    text: env_text.EnvText
-    tables: DialogueTables
+    texts: tuple  # EnvText per env
+    env_tables: tuple  # DialogueTables per env
     sampler: sampler_lib.Sampler
+
+    @property
+    def text(self) -> env_text.EnvText:
+        """The EnvText of a one-env rollout."""
+        return _only(self.texts)
+
+    @property
+    def tables(self) -> DialogueTables:
+        """The DialogueTables of a one-env rollout."""
+        return _only(self.env_tables)
+
+
+def _only(per_env: tuple):
+    if len(per_env) != 1:
+        raise ValueError(f"a rollout of {len(per_env)} env variants has one per env "
+                         "(Rollout.texts / Rollout.env_tables)")
+    return per_env[0]
 
 
 def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
@@ -761,11 +872,54 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     Trajectory length T = max_context. `length_prompt` is the N of the prompt's "Max response
     length: N words (tokens)" (default max_new_tokens, as the reference). `compiler_options`
     go to `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster compiles of tiny models
-    on CPU). `prefill_dtype`: matmul dtype of appending the prompt and the observations (many
-    tokens per row: compute-bound); replies decode in `model_cfg.dtype` (None: that for both).
+    on CPU). `Rollout.run_from(params, key, env_state [B], group_id [B], temperature)` plays
+    given levels. Every row's Trajectory.tag is `tag`. `prefill_dtype`: matmul dtype of
+    appending the prompt and the observations (many tokens per row: compute-bound); replies
+    decode in `model_cfg.dtype` (None: that for both).
     """
-    etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
-    tables = build_tables(tokenizer, etext, max_turn, length_prompt or max_new_tokens, thinking)
+    r = make_mixed_rollout(((env, env_groups),), tokenizer, model_cfg, group_size=group_size,
+                           max_turn=max_turn, max_new_tokens=max_new_tokens,
+                           max_context=max_context, thinking=thinking, top_k=top_k, top_p=top_p,
+                           max_actions_per_turn=max_actions_per_turn,
+                           max_actions_per_traj=max_actions_per_traj, tags=(tag,),
+                           cache_dtype=cache_dtype, length_prompt=length_prompt,
+                           compiler_options=compiler_options, prefill_dtype=prefill_dtype)
+    mixed_from = r.run_from.__wrapped__
+
+    def run_from(params, key, env_state, group_id, temperature):
+        return mixed_from(params, key, (env_state,), group_id, temperature)
+
+    return dataclasses.replace(r, run_from=jax.jit(run_from, compiler_options=compiler_options))
+
+
+def make_mixed_rollout(mix, tokenizer, model_cfg, *, group_size: int, max_turn: int = 5,
+                       max_new_tokens: int = 100, max_context: int = 2048,
+                       thinking: bool = True, top_k: int = 0, top_p: float = 1.0,
+                       max_actions_per_turn: int | None = None,
+                       max_actions_per_traj: int | None = None, tags: tuple | None = None,
+                       cache_dtype=None, length_prompt: int | None = None,
+                       compiler_options: dict | None = None,
+                       prefill_dtype: str | None = None) -> Rollout:
+    """A jitted rollout of one batch that mixes env variants: mix = ((env, groups), ...).
+
+    Rows are laid out env by env, group by group (`groups_i x group_size` rows of env i); each
+    row has its own env's prompt prefix, observations, answer parser, action budgets and
+    dynamics, and every row is sampled in one batch by one sampler. Env i's rows carry
+    Trajectory.tag `tags[i]` (default i). `max_actions_per_turn` / `max_actions_per_traj`
+    apply to every env (None: each env's reference budget). Otherwise as `make_rollout`:
+    `run(params, key, seed, temperature, stream)` resets group g of env i from
+    seed + (groups of the envs before i) + g (`mixed_initial_states`);
+    `run_from(params, key, env_states, group_id [B], temperature)` takes a tuple with one
+    env state [groups_i * group_size] per env.
+    """
+    if not mix or any(int(g) < 1 for _, g in mix):
+        raise ValueError(f"a rollout needs at least one env and >= 1 group per env, got "
+                         f"{[(getattr(e, 'name', e), g) for e, g in mix]}")
+    tags = tuple(range(len(mix))) if tags is None else tuple(tags)
+    texts = tuple(env_text.make_text(e, max_actions_per_turn, max_actions_per_traj)
+                  for e, _ in mix)
+    tables = tuple(build_tables(tokenizer, t, max_turn, length_prompt or max_new_tokens, thinking)
+                   for t in texts)
     smp = sampler_lib.make_sampler(model_cfg, tokenizer, max_new_tokens,
                                    stop=("</answer>",), top_k=top_k, top_p=top_p,
                                    prefill_dtype=prefill_dtype)
@@ -773,9 +927,10 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(
         _padded_token_bytes(tokenizer, model_cfg.vocab_size)))
     parse_table = parse_byte_table(tokenizer, model_cfg.vocab_size)
-    spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
+    spec = RolloutSpec(tuple(e for e, _ in mix), tags, max_turn, max_context, max_new_tokens,
+                       thinking)
 
-    def run_from(params, key, env_state, group_id, temperature):
+    def run_from(params, key, env_states, group_id, temperature):
         pstate = sampler_lib.init_state(model_cfg, group_id.shape[0], max_context, cache_dtype)
 
         def policy_turn(ps, chunk, valid, k, active, turn_k):
@@ -784,28 +939,29 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                                             jnp.float32(temperature), active, stop_table)
             return _SamplerView(st), turn
 
-        def prefill(ps, chunk):
-            return _SamplerView(append_without_reply(prefill_cfg, params, ps.inner, chunk))
+        def prefill(ps, chunk, valid):
+            return _SamplerView(append_without_reply(prefill_cfg, params, ps.inner, chunk, valid))
 
-        traj, metrics, _ = _episodes(spec, etext, tables, parse_table, prefill, policy_turn,
-                                     _SamplerView(pstate), env_state, group_id, key)
+        traj, metrics, _ = _episodes(spec, texts, tables, parse_table, prefill, policy_turn,
+                                     _SamplerView(pstate), env_states, group_id, key)
         return traj, metrics
 
     def run(params, key, seed, temperature, stream=TRAIN):
-        env_state, group_id = _initial_states(env, jax.random.key(0), seed, stream, env_groups,
-                                              group_size)
-        return run_from(params, key, env_state, group_id, temperature)
+        env_states, group_id = mixed_initial_states(mix, jax.random.key(0), seed, stream,
+                                                    group_size)
+        return run_from(params, key, env_states, group_id, temperature)
 
     jit = functools.partial(jax.jit, compiler_options=compiler_options)
-    return Rollout(jit(run), jit(run_from), spec, etext, tables, smp)
+    return Rollout(jit(run), jit(run_from), spec, texts, tables, smp)
 
 
-def append_without_reply(cfg, params, state: sampler_lib.SamplerState, chunk):
-    """Append chunk [B,P] (all valid) at every row's offset of an *empty* sampler state and
-    write its keys/values, without decoding a reply (the shared prompt prefix). The sampler's
-    own append (`sampler.append`), minus its decode loop."""
+def append_without_reply(cfg, params, state: sampler_lib.SamplerState, chunk, valid=None):
+    """Append chunk [B,P] (valid [B,P], left-aligned; default all) at every row's offset of an
+    *empty* sampler state and write its keys/values, without decoding a reply (the prompt
+    prefix). The sampler's own append (`sampler.append`), minus its decode loop."""
     params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(cfg.dtype)), params)
-    return sampler_lib.append(params, cfg, state, chunk, jnp.ones(chunk.shape, bool))[1]
+    valid = jnp.ones(chunk.shape, bool) if valid is None else valid
+    return sampler_lib.append(params, cfg, state, chunk, valid)[1]
 
 
 @struct.dataclass
@@ -843,20 +999,44 @@ def make_scripted_rollout(env, tokenizer, *, max_turn: int = 5, max_new_tokens: 
     with `script_replies`. group_id is the row index. Cached: the same settings share one
     compiled program.
     """
-    return _scripted(env, tokenizer, max_turn, max_new_tokens, max_context, thinking,
-                     max_actions_per_turn, max_actions_per_traj, tag,
-                     length_prompt or max_new_tokens)
+    play, tables = _scripted((env,), (tag,), tokenizer, max_turn, max_new_tokens, max_context,
+                             thinking, max_actions_per_turn, max_actions_per_traj,
+                             length_prompt or max_new_tokens)
+
+    def play_one(env_state, reply_ids, reply_len, reply_stop, key):
+        traj, metrics, final = play((env_state,), reply_ids, reply_len, reply_stop, key)
+        return traj, metrics, final[0]
+
+    return play_one, tables[0]
+
+
+def make_mixed_scripted_rollout(env_list, tokenizer, *, max_turn: int = 5,
+                                max_new_tokens: int = 100, max_context: int = 2048,
+                                thinking: bool = True, max_actions_per_turn: int | None = None,
+                                max_actions_per_traj: int | None = None,
+                                length_prompt: int | None = None):
+    """`make_scripted_rollout` of a batch that mixes env variants (`env_list`, a tuple of envs;
+    env i's rows carry tag i), as `make_mixed_rollout` plays it.
+
+    Returns (play, tables per env) where jitted `play(env_states, reply_ids [B,M,N], reply_len
+    [B,M], reply_stop [B,M], key)` takes a tuple with one state [B_i] per env (rows env by
+    env) and returns (Trajectory, metrics, tuple of final env states).
+    """
+    return _scripted(tuple(env_list), tuple(range(len(env_list))), tokenizer, max_turn,
+                     max_new_tokens, max_context, thinking, max_actions_per_turn,
+                     max_actions_per_traj, length_prompt or max_new_tokens)
 
 
 @functools.lru_cache(maxsize=8)
-def _scripted(env, tokenizer, max_turn, max_new_tokens, max_context, thinking,
-              max_actions_per_turn, max_actions_per_traj, tag, length_prompt):
-    etext = env_text.make_text(env, max_actions_per_turn, max_actions_per_traj)
-    tables = build_tables(tokenizer, etext, max_turn, length_prompt, thinking)
+def _scripted(env_list, tags, tokenizer, max_turn, max_new_tokens, max_context, thinking,
+              max_actions_per_turn, max_actions_per_traj, length_prompt):
+    texts = tuple(env_text.make_text(e, max_actions_per_turn, max_actions_per_traj)
+                  for e in env_list)
+    tables = tuple(build_tables(tokenizer, t, max_turn, length_prompt, thinking) for t in texts)
     parse_table = parse_byte_table(tokenizer)
-    spec = RolloutSpec(env, max_turn, max_context, max_new_tokens, thinking, tag)
+    spec = RolloutSpec(env_list, tags, max_turn, max_context, max_new_tokens, thinking)
 
-    def play(env_state, reply_ids, reply_len, reply_stop, key):
+    def play(env_states, reply_ids, reply_len, reply_stop, key):
         B = reply_ids.shape[0]
         ps = ScriptState(jnp.zeros((B, max_context), jnp.int32),
                          jnp.zeros((B, max_context), jnp.float32),
@@ -868,12 +1048,12 @@ def _scripted(env, tokenizer, max_turn, max_new_tokens, max_context, thinking,
             return script_turn(ps, chunk, valid, active, take(reply_ids), take(reply_len),
                                take(reply_stop))
 
-        def prefill(ps, chunk):
-            P = chunk.shape[1]
+        def prefill(ps, chunk, valid):
+            # a shorter prefix's padding lies past its row's end: later writes replace it
             tokens = jax.lax.dynamic_update_slice(ps.tokens, chunk, (0, 0))
-            return ps.replace(tokens=tokens, end=ps.end + P)
+            return ps.replace(tokens=tokens, end=ps.end + jnp.sum(valid, axis=1))
 
-        return _episodes(spec, etext, tables, parse_table, prefill, policy_turn, ps, env_state,
+        return _episodes(spec, texts, tables, parse_table, prefill, policy_turn, ps, env_states,
                          jnp.arange(B, dtype=jnp.int32), key)
 
     return jax.jit(play), tables

@@ -48,6 +48,8 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
                      "val.before_train", "trainer.context_bucket", "mesh.data", "mesh.fsdp", "mesh.tensor",
                      "mesh.distributed")
+# Keys added after runs were saved: a run saved without one had the default.
+ADDED_KEYS = {"env.mix": ""}
 
 
 # ----------------------------------------------------------------------------- config
@@ -75,6 +77,33 @@ def rollout_kwargs(config) -> dict:
                 prefill_dtype=phase_dtypes(config)["prefill"])
 
 
+def env_mix(config) -> tuple[tuple[str, int], ...]:
+    """((tag, groups), ...): the env variants of a training batch and their group counts.
+
+    `env.mix` = "SimpleSokoban:6,LargerSokoban:2" (counts summing to rollout.env_groups), or
+    "" for all rollout.env_groups groups of env.name. Raises ValueError naming the problem."""
+    text = config.env.get("mix", "")  # runs saved before the knob existed have none
+    groups = config.rollout.env_groups
+    if not text.strip():
+        return ((config.env.name, groups),)
+    tags, counts = [], []
+    for item in text.split(","):
+        tag, _, count = (x.strip() for x in item.partition(":"))
+        if not tag or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"env.mix {text!r}: {item.strip()!r} is not TAG:GROUPS with "
+                             f"GROUPS >= 1 (e.g. 'SimpleSokoban:6,LargerSokoban:2')")
+        tags.append(tag)
+        counts.append(int(count))
+    try:
+        tags = evaluate.parse_tags(",".join(tags), config.env.name)
+    except ValueError as e:
+        raise ValueError(f"env.mix {text!r}: {e}") from None
+    if sum(counts) != groups:
+        raise ValueError(f"env.mix {text!r}: the group counts sum to {sum(counts)}, "
+                         f"rollout.env_groups is {groups}")
+    return tuple(zip(tags, counts))
+
+
 def make_env(config, tag: str):
     """The env of `tag`: the training env gets the config's options, other tags defaults."""
     options = config.env.options.to_dict() if tag == config.env.name else {}
@@ -92,7 +121,8 @@ def tiny_tokenizer_args(config) -> tuple[list[str], dict]:
                     thinking=r.enable_think, max_actions_per_turn=r.max_actions_per_turn or None,
                     max_actions_per_traj=r.max_actions_per_traj or None)
     corpus, added = [], []
-    for tag in evaluate.parse_tags(config.val.tags, config.env.name) + (config.env.name,):
+    tags = evaluate.parse_tags(config.val.tags, config.env.name) + (config.env.name,)
+    for tag in tags + tuple(t for t, _ in env_mix(config) if t not in tags):
         env = make_env(config, tag)
         corpus += rollout_lib.dialogue_corpus(env, **settings)
         added += [t for t in rollout_lib.template_strings(env, **settings) if t not in added]
@@ -157,10 +187,13 @@ class Experiment:
     algo: trainer_lib.AlgoConfig
     policy: weights.LoadedModel
     critic_cfg: object
-    env: object
+    env: object  # the env called env.name
+    mix: tuple  # ((tag, groups), ...): the env variants of a training batch (`env_mix`)
     rollout: rollout_lib.Rollout
-    run_rollout: object  # jitted run_from(params, key, env_state, group_id, temperature)
-    initial_states: object  # jitted (key, seed) -> (env_state, group_id)
+    # jitted run_from(params, key, env_state, group_id, temperature) and (key, seed) ->
+    # (env_state, group_id); env_state of a mixed batch: a tuple with one state per env
+    run_rollout: object
+    initial_states: object
     update: object
     val_sets: dict
     compiler_options: dict | None
@@ -179,6 +212,7 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
                          f"{r.env_groups} and {r.group_size}")
     if config.trainer.total_steps < 0:
         raise ValueError(f"trainer.total_steps must be >= 0, got {config.trainer.total_steps}")
+    mix = env_mix(config)
     env = make_env(config, config.env.name)
     tags = evaluate.parse_tags(config.val.tags, config.env.name)
     mesh = sharding.mesh_from_config(config.mesh)
@@ -189,18 +223,30 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
     options = FAST_COMPILE if config.trainer.fast_compile else None
     kwargs = rollout_kwargs(config)
     B = r.env_groups * r.group_size
-    ro = rollout_lib.make_rollout(env, policy.tokenizer, policy.cfg, env_groups=r.env_groups,
-                                  group_size=r.group_size, **kwargs)
     # Levels are generated and episodes played where their rows live: every [B,...] output
     # (env states, trajectory, per-episode metrics) is split over the mesh's batch axes, and
     # nothing is fed from the host but seeds and keys.
     rows = sharding.batch_sharding(mesh, B)
+    train_envs = tuple((make_env(config, tag), groups) for tag, groups in mix)
+    if len(mix) == 1:
+        train_env = train_envs[0][0]
+        ro = rollout_lib.make_rollout(train_env, policy.tokenizer, policy.cfg,
+                                      env_groups=r.env_groups, group_size=r.group_size, **kwargs)
+        initial_states = jax.jit(
+            lambda key, seed: rollout_lib._initial_states(train_env, key, seed, rollout_lib.TRAIN,
+                                                          r.env_groups, r.group_size),
+            out_shardings=(rows, rows))
+    else:
+        train_env = None  # no validation set shares a mixed batch's program
+        ro = rollout_lib.make_mixed_rollout(train_envs, policy.tokenizer, policy.cfg,
+                                            group_size=r.group_size, **kwargs)
+        env_rows = tuple(sharding.batch_sharding(mesh, g * r.group_size) for _, g in mix)
+        initial_states = jax.jit(
+            lambda key, seed: rollout_lib.mixed_initial_states(train_envs, key, seed,
+                                                               rollout_lib.TRAIN, r.group_size),
+            out_shardings=(env_rows, rows))
     run_rollout = jax.jit(ro.run_from.__wrapped__, compiler_options=options,
                           out_shardings=(rows, rows))
-    initial_states = jax.jit(
-        lambda key, seed: rollout_lib._initial_states(env, key, seed, rollout_lib.TRAIN,
-                                                      r.env_groups, r.group_size),
-        out_shardings=(rows, rows))
     critic_cfg, critic_params = critic_params_from(config, policy) if algo.uses_critic else (
         None, None)
     state_shardings = trainer_lib.state_shardings(algo, mesh, policy.cfg, critic_cfg)
@@ -215,12 +261,12 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
     v = config.val
     for tag in tags:
         venv = make_env(config, tag)
-        same = venv == env and v.env_groups * v.group_size == B
+        same = venv == train_env and v.env_groups * v.group_size == B
         val_sets[tag] = evaluate.make_eval_set(
             tag, venv, policy.tokenizer, policy.cfg, env_groups=v.env_groups,
             group_size=v.group_size, rollout_kwargs=kwargs, compiler_options=options,
             rollout=ro if same else None, run_from=run_rollout if same else None)
-    return Experiment(config, algo, policy, critic_cfg, env, ro, run_rollout, initial_states,
+    return Experiment(config, algo, policy, critic_cfg, env, mix, ro, run_rollout, initial_states,
                       update, val_sets, options, critic_params, mesh, state_shardings,
                       init_state)
 
@@ -285,8 +331,9 @@ def train_step(exp: Experiment, state, step: int):
     um = sharding.to_host(um)
     t2 = time.perf_counter()
     out = {k: float(v) for k, v in um.items()}
-    for name, value in evaluate.summarize(traj, m, c.rollout.group_size).items():
-        out[f"train/{c.env.name}/{name}"] = value
+    for name, value in evaluate.summarize_mix(traj, m, exp.mix, c.rollout.group_size).items():
+        out[f"train/{name}"] = value
+    generated = sum(out[f"train/{tag}/generated_tokens"] for tag, _ in exp.mix)
     # real tokens through the update's forward+backward passes: k mini-batches of `mini` of the
     # N kept rows (the old-log-prob forward is in the time, not in the count)
     N = round(exp.algo.rollout_filter_ratio * c.rollout.env_groups) * c.rollout.group_size
@@ -294,7 +341,7 @@ def train_step(exp: Experiment, state, step: int):
     kept_tokens = float(sharding.to_host(traj.length.sum())) * N / traj.tokens.shape[0]
     out.update({
         "timing/rollout": t1 - t0, "timing/update": t2 - t1, "timing/step": t2 - t0,
-        "perf/rollout_tokens_per_s": out[f"train/{c.env.name}/generated_tokens"] / (t1 - t0),
+        "perf/rollout_tokens_per_s": generated / (t1 - t0),
         "perf/update_tokens_per_s": kept_tokens * k * mini / N / (t2 - t1),
         "perf/update_context": float(trained),
         "env/seed_counter": float((step + 1) * c.rollout.env_groups),
@@ -346,7 +393,8 @@ def _flat(d, prefix=""):
 
 def check_resumable(saved_json: str, config) -> None:
     """A workdir's saved config must equal this one except for RESUMABLE_CHANGES."""
-    saved, now = _flat(json.loads(saved_json)), _flat(json.loads(config_json(config)))
+    saved = {**ADDED_KEYS, **_flat(json.loads(saved_json))}
+    now = _flat(json.loads(config_json(config)))
     for key in sorted(set(saved) | set(now)):
         if key in RESUMABLE_CHANGES:
             continue
@@ -390,6 +438,7 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     saved), to test resuming. experiment: a `build(config)` to reuse (tests share compiled
     programs between runs; it must come from an equal config). Returns the last logged scalars.
     """
+    env_mix(config)  # a bad mix fails before anything is written
     resuming = check_workdir(workdir, config)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.trainer.keep_checkpoints)
@@ -420,8 +469,10 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
     # a resumed run drops what an interrupted one logged after its checkpoint
     writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if start else -1) if lead
               else metrics_lib.NullWriter())
+    batch_envs = (",".join(f"{t}:{g}" for t, g in exp.mix) if len(exp.mix) > 1
+                  else exp.mix[0][0])
     log(f"built in {time.perf_counter() - t_build:.1f} s: {exp.policy.source} "
-        f"({exp.policy.cfg.num_params / 1e6:.1f}M params), env {exp.env.name}, "
+        f"({exp.policy.cfg.num_params / 1e6:.1f}M params), env {batch_envs}, "
         f"{config.rollout.env_groups}x{config.rollout.group_size} episodes per step, "
         f"{jax.devices()[0].platform} x{jax.device_count()} (mesh data x fsdp x tensor = "
         f"{' x '.join(str(n) for n in exp.mesh.shape.values())}); "

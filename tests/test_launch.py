@@ -77,6 +77,45 @@ def test_resume_accepts_only_harmless_changes():
         training.config_json(s)
 
 
+def with_mix(config, mix):
+    c = config.copy_and_resolve_references()
+    c.unlock()
+    c.env.mix = mix
+    c.lock()
+    return c
+
+
+@pytest.mark.parametrize("mix, words", [
+    ("Bandit:4,FrozenLake:3", ["sum to 7", "rollout.env_groups is 8"]),
+    ("Bandit:4,FrozenLake", ["'FrozenLake' is not TAG:GROUPS"]),
+    ("Bandit:0,FrozenLake:8", ["'Bandit:0' is not TAG:GROUPS"]),
+    ("Bandit:4,Frozenlake:4", ["unknown env tag 'Frozenlake'"]),
+    ("Bandit:4,Bandit:4", ["repeat"]),
+])
+def test_bad_env_mix_is_one_clear_error(mix, words):
+    with pytest.raises(ValueError) as e:
+        training.env_mix(with_mix(bandit.get_config("tiny"), mix))
+    message = str(e.value)
+    assert message.startswith(f"env.mix {mix!r}: ") and "\n" not in message
+    for w in words:
+        assert w in message
+
+
+def test_env_mix_and_its_tiny_tokenizer():
+    c = bandit.get_config("tiny")
+    assert training.env_mix(c) == (("Bandit", 8),)
+    mixed = with_mix(c, " Bandit:6, FrozenLake:2 ")
+    assert training.env_mix(mixed) == (("Bandit", 6), ("FrozenLake", 2))
+    # the tiny tokenizer learns every env's dialogue: the mix's other envs come after the rest
+    plain, corpus = (training.tiny_tokenizer_args(x)[0] for x in (c, mixed))
+    assert corpus[:len(plain)] == plain and "Left</answer>" not in plain
+    assert "Left</answer>" in corpus
+    # a run saved before the knob existed resumes (it had no mix)
+    saved = training.config_json(c).replace('"mix": "", ', "")
+    assert '"mix"' not in saved
+    training.check_resumable(saved, c)
+
+
 def run_cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
@@ -86,6 +125,7 @@ def run_cli(*args, cwd=ROOT):
     ("--config.rollout.temprature=0.7", ["unknown config key", "rollout.temprature"]),
     ("--config.rollout.group_size=abc", ["rollout.group_size", "abc"]),
     ("--config.nothing.here=1", ["unknown config key", "nothing.here"]),
+    ("--config.env.mix=FrozenLake:30,Bandit:1", ["env.mix", "sum to 31"]),
 ])
 def test_bad_override_fails_at_start_naming_the_key(tmp_path, override, words):
     p = run_cli("launch/train.py", "--config=configs/frozenlake.py:tiny", override,
