@@ -3,6 +3,11 @@
 The agent is told two arm names (Phoenix, Dragon) and must pick one; the high-risk arm (Dragon)
 pays more on average. Validation also runs on BanditTest (Trader / Librarian), the reference's
 generalisation probe.
+
+- cpu: the embedded SmolLM2-135M on a 2-core laptop, the README's first command. The untrained
+  model answers in the required format ~25% of the time at temperature 1 and nearly always picks
+  Phoenix; the format is learned within a few steps (~2 min each), the arm choice more slowly.
+- tiny: a random-init tiny model that learns to pick Dragon in ~20 steps (a learning test).
 """
 
 from configs import common
@@ -15,7 +20,13 @@ def get_config(arg=None):
     c.val.tags = "Bandit,BanditTest"
     if v == "cpu":
         common.cpu(c)
-        c.rollout.max_turn = 1
+        # One short turn: the prompt and answer fit in 384 tokens. Groups of 8 with plain
+        # Dr. GRPO advantages (score minus group mean, no division by the group's std): with
+        # std-normalised groups of 4, one Dragon pick that paid 0 next to three Phoenix 0.1s
+        # gets -1.5 and one that paid 1.0 gets +1.5, so the risky arm's expected advantage is
+        # negative although it pays more (0.25 vs 0.1); without the division it is positive.
+        c.rollout.update(dict(max_turn=1, max_context=384, env_groups=4, group_size=8))
+        c.algorithm.norm_adv_by_std_in_grpo = False
     elif v == "tiny":
         common.tiny(c)
         c.rollout.update(dict(max_turn=1, env_groups=8, group_size=8))

@@ -3,7 +3,9 @@
 - (no variant): the paper's run (8 groups x 16 episodes, 5 turns, 400 tokens per turn, PPO with
   a critic, StarPO-S filter 0.25, decoupled clipping), for an accelerator.
 - cpu: the embedded SmolLM2-135M on a 2-core laptop: fewer, shorter episodes, answers without
-  thinking, larger learning rates so progress shows within the first steps.
+  thinking. It runs, but SmolLM2-135M almost never writes an action name after `<answer>` (it
+  copies the grid: 0 of 32 episodes valid at temperature 1), so there is no reward signal; use
+  a larger model (`--config.model.path`) for a FrozenLake run that learns.
 - tiny: a random-init tiny model on a non-slippery 3x3 lake, thinking off; learns the format and
   some of the task in minutes on CPU (the proof-of-learning test runs it).
 """
