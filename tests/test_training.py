@@ -66,21 +66,21 @@ def test_bandit_learns_the_high_risk_arm(bandit_trained):
 
 
 def test_frozenlake_learns_to_reach_the_goal(tmp_path):
-    """From ~0 to a clear success rate in 80 steps, with the answer format learned.
+    """From ~0 to above a random mover in the first 40 of the config's 80 steps, with the
+    answer format learned (40 steps keep the suite within its budget: the run is ~2 s a step).
 
     The issue's 0.8 is not reached: with this config and seed the curve is 0.00 -> 0.25 (step
-    10) -> 0.37 (40) -> 0.42 (70) -> 0.38 (80) on 128 held-out levels (0.54 at 80 before
-    GRPO's zero-std groups gave exactly zero advantage), and other seeds (config and model seed
-    1, 2) stay at 0.22-0.30, about a uniformly random mover (0.26; the best grid-blind move
-    sequence scores 0.36). The bound below is what every tried seed clears, not the best run.
+    10) -> 0.24 (20) -> 0.30 (30) -> 0.34 (40) on 128 held-out levels (0.38 at 80), and other
+    seeds (config and model seed 1, 2) stay at 0.22-0.30 after 80 steps, about a uniformly
+    random mover (0.26; the best grid-blind move sequence scores 0.36).
     """
-    config = frozenlake.get_config("tiny")
+    config = with_changes(frozenlake.get_config("tiny"), trainer__total_steps=40)
     workdir = str(tmp_path / "run")
     training.train(config, workdir, progress=False, log=lambda *a: None)
     series = val_series(workdir, "val/FrozenLake/success")
     print("val/FrozenLake/success by step:", series)
     assert series[0][0] == 0 and series[0][1] < 0.05, series
-    assert series[-1][0] == config.trainer.total_steps and series[-1][1] >= 0.2, series
+    assert series[-1][0] == config.trainer.total_steps and series[-1][1] >= 0.3, series
     valid = val_series(workdir, "val/FrozenLake/action_is_valid")
     assert valid[0][1] < 0.2 and valid[-1][1] >= 0.9, valid
     rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
