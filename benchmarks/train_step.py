@@ -74,9 +74,9 @@ def main(argv):
                         group_id, jnp.float32(r.temperature))
         summary = evaluate.summarize(traj, m, r.group_size)
         # the update trains on the longest episode rounded up (trainer.context_bucket), as a run does
-        trained = trimmed_length(int(traj.length.max()), traj.tokens.shape[1],
-                                 config.trainer.context_bucket)
-        traj = traj.truncate(trained)
+        update_context = trimmed_length(int(traj.length.max()), traj.tokens.shape[1],
+                                        config.trainer.context_bucket)
+        traj = traj.truncate(update_context)
 
         rows, _ = filtering.filter_rows(traj.score, algo.group_size, algo.rollout_filter_ratio,
                                         algo.rollout_filter_type)
@@ -110,7 +110,7 @@ def main(argv):
         "config": config_flags.get_config_filename(FLAGS["config"]), "model": exp.policy.source,
         "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
         "episodes": int(traj.tokens.shape[0]), "kept_rows": int(kept.tokens.shape[0]),
-        "context": r.max_context, "update_context": trained, "updates_per_batch": k,
+        "context": r.max_context, "update_context": update_context, "updates_per_batch": k,
         "generated_tokens": int(summary["generated_tokens"]),
         "trained_tokens_per_pass": trained,
         "phase_s": {n: round(v, 2) for n, v in phases.items()},

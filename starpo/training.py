@@ -46,8 +46,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # context is cut to changes only padding.
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_checkpoints",
                      "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
-                     "val.before_train", "trainer.context_bucket", "mesh.data", "mesh.fsdp", "mesh.tensor",
-                     "mesh.distributed")
+                     "val.before_train", "trainer.context_bucket", "mesh.data", "mesh.fsdp",
+                     "mesh.tensor", "mesh.distributed")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": ""}
 
@@ -323,11 +323,9 @@ def train_step(exp: Experiment, state, step: int):
                               jnp.float32(c.rollout.temperature))
     traj = jax.block_until_ready(traj)
     t1 = time.perf_counter()
-    context = traj.tokens.shape[1]
-    trained = trimmed_length(int(sharding.to_host(traj.length.max())), context,
-                             c.trainer.context_bucket)
-    state, um = exp.update(state, traj.truncate(trained) if trained < context else traj,
-                           k_update)
+    lengths = sharding.to_host(traj.length)  # [B]: the one host transfer before the update
+    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1], c.trainer.context_bucket)
+    state, um = exp.update(state, traj.truncate(trained), k_update)
     um = sharding.to_host(um)
     t2 = time.perf_counter()
     out = {k: float(v) for k, v in um.items()}
@@ -338,7 +336,7 @@ def train_step(exp: Experiment, state, step: int):
     # N kept rows (the old-log-prob forward is in the time, not in the count)
     N = round(exp.algo.rollout_filter_ratio * c.rollout.env_groups) * c.rollout.group_size
     mini, k = trainer_lib.num_updates(exp.algo, N)
-    kept_tokens = float(sharding.to_host(traj.length.sum())) * N / traj.tokens.shape[0]
+    kept_tokens = float(lengths.sum()) * N / traj.tokens.shape[0]
     out.update({
         "timing/rollout": t1 - t0, "timing/update": t2 - t1, "timing/step": t2 - t0,
         "perf/rollout_tokens_per_s": generated / (t1 - t0),

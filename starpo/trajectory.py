@@ -75,8 +75,12 @@ class Trajectory:
         return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), self)
 
     def truncate(self, T: int) -> "Trajectory":
-        """The first T positions of every [B,T] field. Only padding may be cut: T must be at
-        least `length.max()` (turn_end positions are then all < T)."""
+        """The first T positions of every [B,T] field (itself if T covers them all). Only
+        padding may be cut: T must be at least `length.max()` (turn_end positions are then all
+        < T)."""
+        if T >= self.tokens.shape[1]:
+            return self
+
         def cut(x):
             return x[:, :T]
         return self.replace(tokens=cut(self.tokens), loss_mask=cut(self.loss_mask),
