@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from starpo import sampler, weights  # noqa: E402
+from starpo import sampler, training, weights  # noqa: E402
 
 TEXT = ("You are solving the Sokoban puzzle. You are the player and you need to push all boxes "
         "to targets. When you are right next to a box, you can push it by moving in the same "
@@ -104,13 +104,17 @@ def main():
     p.add_argument("--prompt_len", type=int, default=256)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32", help="decode matmul input dtype")
-    p.add_argument("--prefill_dtype", default="bfloat16",
-                   help="prompt (prefill) matmul input dtype; accumulation is always float32")
+    p.add_argument("--prefill_dtype", default="auto",
+                   help="prompt (prefill) matmul input dtype; accumulation is always float32. "
+                        "auto: what training uses here (bfloat16 on GPU/TPU and on CPUs with "
+                        "native bfloat16, else float32)")
     p.add_argument("--cache_dtype", default="float32")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--torch", choices=["auto", "no"], default="auto")
     a = p.parse_args()
 
+    if a.prefill_dtype == "auto":
+        a.prefill_dtype = training.compute_bound_dtype()
     m = weights.load_model(a.model)
     rows = prompts(m.tokenizer, a.batch, a.prompt_len)
     result = dict(model=a.model, batch=a.batch, prompt_len=int(rows.shape[1]),

@@ -137,8 +137,10 @@ def main():
     p.add_argument("--micro_batch", type=int, default=2, help="rows per forward/backward")
     p.add_argument("--logit_chunk", type=int, default=0,
                    help="tokens per log-prob head chunk (0: whole rows of a micro-batch)")
-    p.add_argument("--dtype", default="bfloat16",
-                   help="JAX matmul input dtype (accumulation and master weights stay float32)")
+    p.add_argument("--dtype", default="auto",
+                   help="JAX matmul input dtype (accumulation and master weights stay float32); "
+                        "auto: what training uses here (bfloat16 on GPU/TPU and on CPUs with "
+                        "native bfloat16, else float32)")
     p.add_argument("--remat", type=int, default=1, help="rematerialise each layer (1/0)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--torch", choices=["auto", "no"], default="auto")
@@ -150,8 +152,10 @@ def main():
         print(json.dumps(out))
         return
 
-    from starpo import weights
+    from starpo import training, weights
 
+    if a.dtype == "auto":
+        a.dtype = training.compute_bound_dtype()
     weights.load_model(a.model)  # fetch / convert once, outside the timed workers
     argv = [f"--model={a.model}", f"--batch={a.batch}", f"--seq_len={a.seq_len}",
             f"--micro_batch={a.micro_batch}", f"--logit_chunk={a.logit_chunk}",

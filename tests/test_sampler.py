@@ -161,6 +161,30 @@ def test_top_k_and_top_p_stay_in_the_allowed_set():
     assert set(np.unique(tok_g)) == {1}
 
 
+def test_inverse_cdf_draws_follow_the_distribution():
+    """`categorical` against the probabilities themselves: V=600 spans three 256-token blocks
+    (the last padded), with mass at both edges of a block and -inf everywhere else."""
+    probs = np.zeros(600)
+    support = [0, 255, 256, 300, 599]
+    probs[support] = [0.1, 0.2, 0.3, 0.15, 0.25]
+    n = 20000
+    with np.errstate(divide="ignore"):
+        logits = jnp.asarray(np.log(np.tile(probs, (n, 1))), jnp.float32)
+    tok, lp = S.sample_next(logits, jax.random.key(3), 1.0)
+    tok = np.asarray(tok)
+    assert set(np.unique(tok)) == set(support)
+    freq = np.bincount(tok, minlength=600) / n
+    np.testing.assert_allclose(freq[support], probs[support], atol=0.015)  # ~4.5 std errors
+    np.testing.assert_allclose(np.asarray(lp), np.log(probs[tok]), rtol=1e-5)
+    # all mass on the first or on the last token: rounding never steps onto an empty slot
+    edge = np.full((2, 600), -np.inf, np.float32)
+    edge[0, 0] = edge[1, 599] = 3.0
+    for k in range(20):
+        tok_e, lp_e = S.sample_next(jnp.asarray(edge), jax.random.key(k), 1.0)
+        assert np.asarray(tok_e).tolist() == [0, 599]
+        np.testing.assert_allclose(np.asarray(lp_e), 0.0, atol=1e-6)
+
+
 def test_stop_string_spanning_tokens(tiny_tokenizer):
     """`</answer>` split over several tokens stops the row right after its last byte."""
     tok = tiny_tokenizer
