@@ -17,6 +17,7 @@ def get_config(arg=None):
     v = common.variant(arg, ("cpu", "tiny"))
     c = common.base("Bandit")
     c.rollout.max_turn = 1
+    c.rollout.decode_windows = 1  # one turn: the reply follows the prompt, nothing to skip
     c.val.tags = "Bandit,BanditTest"
     if v == "cpu":
         common.cpu(c)

@@ -84,6 +84,10 @@ def base(env: str, **env_options) -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=0,
         enable_think=True,  # prime replies with <think> (else <answer>)
+        # decode attention reads only the part of the context the turn can reach: one of this
+        # many windows (one decode loop compiled for each; 1 = always all of max_context).
+        # Same samples, less work in early turns.
+        decode_windows=4,
     ))
 
     c.val = ml_collections.ConfigDict(dict(
@@ -154,7 +158,7 @@ def tiny(c: ml_collections.ConfigDict) -> None:
         path="tiny:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,mlp=128,vocab=128,seed=0",
         remat=False, dtype="float32"))  # matmuls this small gain nothing from bfloat16
     c.rollout.update(dict(env_groups=16, group_size=4, max_turn=5, response_length=1,
-                          max_context=256, enable_think=False))
+                          max_context=256, enable_think=False, decode_windows=1))
     c.val.update(dict(env_groups=64, group_size=1, test_freq=10))
     c.algorithm.update(dict(adv_estimator="grpo", rollout_filter_ratio=1.0,
                             ppo_mini_batch_size=16, micro_batch_size=16, actor_lr=3e-3,

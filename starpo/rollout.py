@@ -858,7 +858,8 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                  thinking: bool = True, top_k: int = 0, top_p: float = 1.0,
                  max_actions_per_turn: int | None = None, max_actions_per_traj: int | None = None,
                  tag: int = 0, cache_dtype=None, length_prompt: int | None = None,
-                 compiler_options: dict | None = None, prefill_dtype: str | None = None) -> Rollout:
+                 compiler_options: dict | None = None, prefill_dtype: str | None = None,
+                 decode_windows: int = 1) -> Rollout:
     """A jitted full rollout of `env_groups x group_size` episodes of `env`.
 
     `Rollout.run(params, key, seed, temperature, stream)` -> (Trajectory, metrics):
@@ -875,7 +876,8 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
     on CPU). `Rollout.run_from(params, key, env_state [B], group_id [B], temperature)` plays
     given levels. Every row's Trajectory.tag is `tag`. `prefill_dtype`: matmul dtype of
     appending the prompt and the observations (many tokens per row: compute-bound); replies
-    decode in `model_cfg.dtype` (None: that for both).
+    decode in `model_cfg.dtype` (None: that for both). `decode_windows`: see
+    `sampler.Sampler.decode_windows` (early turns attend over the start of the context only).
     """
     r = make_mixed_rollout(((env, env_groups),), tokenizer, model_cfg, group_size=group_size,
                            max_turn=max_turn, max_new_tokens=max_new_tokens,
@@ -883,7 +885,8 @@ def make_rollout(env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                            max_actions_per_turn=max_actions_per_turn,
                            max_actions_per_traj=max_actions_per_traj, tags=(tag,),
                            cache_dtype=cache_dtype, length_prompt=length_prompt,
-                           compiler_options=compiler_options, prefill_dtype=prefill_dtype)
+                           compiler_options=compiler_options, prefill_dtype=prefill_dtype,
+                           decode_windows=decode_windows)
     mixed_from = r.run_from.__wrapped__
 
     def run_from(params, key, env_state, group_id, temperature):
@@ -899,7 +902,7 @@ def make_mixed_rollout(mix, tokenizer, model_cfg, *, group_size: int, max_turn: 
                        max_actions_per_traj: int | None = None, tags: tuple | None = None,
                        cache_dtype=None, length_prompt: int | None = None,
                        compiler_options: dict | None = None,
-                       prefill_dtype: str | None = None) -> Rollout:
+                       prefill_dtype: str | None = None, decode_windows: int = 1) -> Rollout:
     """A jitted rollout of one batch that mixes env variants: mix = ((env, groups), ...).
 
     Rows are laid out env by env, group by group (`groups_i x group_size` rows of env i); each
@@ -922,7 +925,8 @@ def make_mixed_rollout(mix, tokenizer, model_cfg, *, group_size: int, max_turn: 
                    for t in texts)
     smp = sampler_lib.make_sampler(model_cfg, tokenizer, max_new_tokens,
                                    stop=("</answer>",), top_k=top_k, top_p=top_p,
-                                   prefill_dtype=prefill_dtype)
+                                   prefill_dtype=prefill_dtype,
+                                   decode_windows=decode_windows)
     prefill_cfg = model_cfg.replace(dtype=prefill_dtype or model_cfg.dtype)
     stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(
         _padded_token_bytes(tokenizer, model_cfg.vocab_size)))

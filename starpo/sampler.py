@@ -191,6 +191,10 @@ class Sampler:
     # float32 accumulation are fastest); decoding (one token per row: bandwidth-bound) uses
     # cfg.dtype. None: cfg.dtype for both.
     prefill_dtype: str | None = None
+    # decode attention reads only a window of the cache: the smallest of `decode_windows`
+    # evenly spaced cut points (rounded up to 64 slots) that holds every live row's history
+    # plus this turn's reply. One decode loop is compiled per window; 1 = always the whole cache.
+    decode_windows: int = 1
 
     def turn(self, params, state: SamplerState, chunk, chunk_valid, key, temperature, active,
              token_bytes=None):
@@ -215,11 +219,22 @@ class Sampler:
 
 
 def make_sampler(cfg: ModelConfig, tokenizer, max_new_tokens: int, stop=(), top_k: int = 0,
-                 top_p: float = 1.0, prefill_dtype: str | None = None) -> Sampler:
+                 top_p: float = 1.0, prefill_dtype: str | None = None,
+                 decode_windows: int = 1) -> Sampler:
     """A Sampler for a model and its tokenizer; `stop` strings are matched on decoded bytes."""
     return Sampler(cfg, max_new_tokens, tuple(tokenizer.eos_ids), tokenizer.pad_id,
                    tuple(s.encode("utf-8") for s in stop), int(top_k), float(top_p),
-                   prefill_dtype)
+                   prefill_dtype, int(decode_windows))
+
+
+def window_sizes(max_len: int, n: int) -> tuple[int, ...]:
+    """The cache windows of a `decode_windows=n` sampler over `max_len` slots, ascending; the
+    last is always `max_len`."""
+    if n < 1:
+        raise ValueError(f"decode_windows must be >= 1, got {n}")
+    ceil = lambda a, b: -(-a // b)  # noqa: E731
+    cuts = {min(max_len, ceil(ceil(max_len * i, n), 64) * 64) for i in range(1, n + 1)}
+    return tuple(sorted(cuts | {max_len}))
 
 
 def append(params, cfg: ModelConfig, state: SamplerState, chunk, chunk_valid):
@@ -257,14 +272,13 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     live = active & fits & (span > 0) & (state.cache.end + span < S)
     hidden, appended = append(pre_params, pre_cfg, state, chunk, write)
     tokens_buf = appended.tokens
-    # Decode layer by layer on per-layer weight and cache buffers, split once here: under the
+    # Decode layer by layer on per-layer weight and cache buffers, cut once here: under the
     # layer scan each step would copy every layer's weights and cache block out of the stacked
-    # arrays (see `model.split_layers`). The cache is stacked back once at the end.
+    # arrays (see `model.split_layers`). Each layer's cache is cut to the decode window and
+    # written back into the stacked arrays once at the end.
     params = model_lib.split_layers(params)
-    cache = model_lib.split_cache(appended.cache)
     last = jnp.maximum(span - 1, 0)
     logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
-
     eos = jnp.asarray(s.eos_ids, jnp.int32)
     reason = jnp.where(active & ~live, CONTEXT_FULL, NOT_RUN).astype(jnp.int32)
     tail_width = max([len(x) for x in s.stop] + [1]) + (token_bytes[0].shape[1] if s.stop else 0)
@@ -304,13 +318,38 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
                     length=c["length"] + live, out_tokens=out_tokens, out_logp=out_logp,
                     tokens_buf=buf, lp_buf=lp_buf, gen_buf=gen_buf, tail=tail)
 
-    init = dict(step=jnp.int32(0), key=key, logits=logits, cache=cache, live=live, reason=reason,
+    init = dict(step=jnp.int32(0), key=key, logits=logits, live=live, reason=reason,
                 length=jnp.zeros((B,), jnp.int32),
                 out_tokens=jnp.full((B, N), s.pad_id, jnp.int32),
                 out_logp=jnp.zeros((B, N), jnp.float32), tokens_buf=tokens_buf,
                 lp_buf=state.logprobs, gen_buf=state.generated,
                 tail=jnp.zeros((B, tail_width), jnp.uint8))
-    c = jax.lax.while_loop(cond, body, init)
-    new_state = SamplerState(cache=model_lib.stack_cache(c["cache"]), tokens=c["tokens_buf"],
+    full = appended.cache
+    L = full.k.shape[0]
+
+    def decode(W):
+        def run(init):
+            win = full.replace(k=tuple(full.k[i, :, :, :W] for i in range(L)),
+                               v=tuple(full.v[i, :, :, :W] for i in range(L)),
+                               valid=full.valid[:, :W])
+            c = jax.lax.while_loop(cond, body, {**init, "cache": win})
+            w = c["cache"]
+            k, v = full.k, full.v
+            for i in range(L):  # in place: the stacked buffers are dead after this
+                k = jax.lax.dynamic_update_slice(k, w.k[i][None], (i, 0, 0, 0, 0))
+                v = jax.lax.dynamic_update_slice(v, w.v[i][None], (i, 0, 0, 0, 0))
+            cache = w.replace(k=k, v=v, valid=jax.lax.dynamic_update_slice(
+                full.valid, w.valid, (0, 0)))
+            return {**c, "cache": cache}
+        return run
+
+    windows = window_sizes(S, s.decode_windows)
+    if len(windows) == 1:
+        c = decode(S)(init)
+    else:  # every live row's history plus a full reply must fit in the window
+        need = jnp.max(jnp.where(live, full.end + N, 0))
+        c = jax.lax.switch(jnp.sum(jnp.asarray(windows) < need), [decode(W) for W in windows],
+                           init)
+    new_state = SamplerState(cache=c["cache"], tokens=c["tokens_buf"],
                              logprobs=c["lp_buf"], generated=c["gen_buf"])
     return new_state, Turn(c["out_tokens"], c["out_logp"], c["length"], c["reason"])

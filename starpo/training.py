@@ -46,7 +46,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # context is cut to changes only padding.
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_checkpoints",
                      "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
-                     "val.before_train", "trainer.context_bucket", "mesh.data", "mesh.fsdp",
+                     "val.before_train", "trainer.context_bucket", "rollout.decode_windows", "mesh.data", "mesh.fsdp",
                      "mesh.tensor", "mesh.distributed")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": ""}
@@ -74,7 +74,8 @@ def rollout_kwargs(config) -> dict:
                 max_context=r.max_context, thinking=r.enable_think, top_k=r.top_k, top_p=r.top_p,
                 max_actions_per_turn=r.max_actions_per_turn or None,
                 max_actions_per_traj=r.max_actions_per_traj or None,
-                prefill_dtype=phase_dtypes(config)["prefill"])
+                prefill_dtype=phase_dtypes(config)["prefill"],
+                decode_windows=r.get("decode_windows", 1))
 
 
 def env_mix(config) -> tuple[tuple[str, int], ...]:

@@ -135,6 +135,38 @@ def test_inactive_rows_stay_untouched_and_full_context_stops(tiny):
     assert int(after.cache.end[1]) == int(before.cache.end[1]) == 7
 
 
+def test_decode_windows_change_nothing_but_the_work(tiny):
+    """Three turns with decode windows (64, 128, 192 of 256 slots) against the whole cache:
+    the same tokens, log-probs and final state, including a long inactive row whose history
+    lies beyond the window its neighbours decode in."""
+    cfg, params = tiny
+    assert S.window_sizes(256, 4) == (64, 128, 192, 256)
+    assert S.window_sizes(100, 3) == (64, 100) and S.window_sizes(24, 4) == (24,)
+    rng = np.random.default_rng(9)
+    prompts = padded([rng.integers(6, cfg.vocab_size, n) for n in (30, 12, 20)], 30)
+    short = padded([[6], [7, 8], [9]], 2)
+    results, long_chunk = [], None
+    for windows in (1, 4):
+        smp = S.make_sampler(cfg, FakeTok, max_new_tokens=8, decode_windows=windows)
+        state, t1 = smp.generate(params, *prompts, jax.random.key(0), 1.0, 256)
+        if long_chunk is None:  # row 0 ends its chunk 3 slots short of the 128 window:
+            # its history fits there, its reply does not
+            n = 125 - int(state.cache.end[0])
+            long_chunk = padded([rng.integers(6, cfg.vocab_size, n), [7], [8, 9]], n)
+        state, t2 = smp.turn(params, state, *long_chunk, jax.random.key(1), 1.0,
+                             jnp.ones((3,), bool))
+        state, t3 = smp.turn(params, state, *short, jax.random.key(2), 1.0,
+                             jnp.asarray([False, True, True]))
+        results.append(jax.tree_util.tree_map(np.asarray, (state, t1, t2, t3)))
+    assert int(results[0][2].length[0]) > 3  # row 0's turn 2 reply runs past slot 128
+    assert int(results[0][0].cache.end[1:].max()) + 8 <= 64  # turn 3 decodes in 64 slots
+    for whole, windowed in zip(*(jax.tree_util.tree_leaves(r) for r in results)):
+        if whole.dtype.kind == "f":
+            np.testing.assert_allclose(windowed, whole, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(windowed, whole)
+
+
 def test_second_call_does_not_retrace(tiny):
     cfg, params = tiny
     smp = S.make_sampler(cfg, FakeTok, max_new_tokens=3)
