@@ -3,7 +3,7 @@
   python benchmarks/rollout.py --model=smollm2-135m-instruct --env=FrozenLake --groups=8 \\
       --group_size=8 --turns=5 --new_tokens=100
 
-Three timings (median of --repeats calls after compiling):
+Three timings (median of --repeats calls after compiling ahead of time):
 - rollout: `make_rollout(...).run` (sampling at temperature 1, thinking on);
 - sampler: the same sampler on the same batch, shapes and turn count, fed a fixed observation
   chunk each turn with every row active (no env, no parse, no render);
@@ -27,13 +27,18 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import envs  # noqa: E402
-from starpo import rollout, sampler, weights  # noqa: E402
+from starpo import rollout, sampler, training, weights  # noqa: E402
 
 
 def timed(f, args_of, repeats):
-    """(compile-and-first-call seconds, median seconds of `repeats` later calls, last output)."""
+    """(compile seconds, median seconds of `repeats` calls, last output). A jitted `f` is
+    compiled ahead of time (no untimed run); anything else is called once first."""
     t = time.perf_counter()
-    out = jax.block_until_ready(f(*args_of(0)))
+    if hasattr(f, "lower"):
+        f = f.lower(*args_of(0)).compile()
+        out = None
+    else:
+        out = jax.block_until_ready(f(*args_of(0)))
     first = time.perf_counter() - t
     times = []
     for i in range(repeats):
@@ -53,6 +58,7 @@ def main():
     p.add_argument("--new_tokens", type=int, default=100)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode_windows", type=int, default=4, help="as rollout.decode_windows")
     a = p.parse_args()
 
     m = weights.load_model(a.model)
@@ -60,12 +66,14 @@ def main():
     B = a.groups * a.group_size
     r = rollout.make_rollout(env, m.tokenizer, m.cfg, env_groups=a.groups,
                              group_size=a.group_size, max_turn=a.turns,
-                             max_new_tokens=a.new_tokens, max_context=a.context)
+                             max_new_tokens=a.new_tokens, max_context=a.context,
+                             prefill_dtype=training.compute_bound_dtype(),
+                             decode_windows=a.decode_windows)
     temp = jnp.float32(1.0)
     c_roll, t_roll, (traj, metrics) = timed(
         r.run, lambda i: (m.params, jax.random.key(i), jnp.int32(i * a.groups), temp,
                           jnp.int32(rollout.TRAIN)), a.repeats)
-    print(f"rollout: first call {c_roll:.1f}s, then {t_roll:.2f}s", file=sys.stderr, flush=True)
+    print(f"rollout: compile {c_roll:.1f}s, then {t_roll:.2f}s", file=sys.stderr, flush=True)
     traj, metrics = jax.device_get((traj, metrics))
     generated = int(traj.loss_mask.sum())
     context = int(traj.length.sum())
@@ -85,7 +93,8 @@ def main():
         st = sampler.init_state(m.cfg, B, a.context)
         pre = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32), (B, len(prefix)))
         st, pre = jax.lax.optimization_barrier((st, pre))
-        st = rollout.append_without_reply(m.cfg, params, st, pre)
+        st = rollout.append_without_reply(m.cfg.replace(dtype=training.compute_bound_dtype()),
+                                          params, st, pre)
         chunk = jnp.broadcast_to(jnp.asarray(obs, jnp.int32), (B, len(obs)))
         total = jnp.zeros((), jnp.int32)
         for k in range(a.turns):
@@ -96,11 +105,13 @@ def main():
         return total
 
     c_smp, t_smp, smp_tokens = timed(sampler_only, lambda i: (m.params, jax.random.key(i)), a.repeats)
-    print(f"sampler: first call {c_smp:.1f}s, then {t_smp:.2f}s", file=sys.stderr, flush=True)
+    print(f"sampler: compile {c_smp:.1f}s, then {t_smp:.2f}s", file=sys.stderr, flush=True)
 
     # ---- env + render + parse alone: teacher-forced replies of new_tokens tokens, no model
     play, _ = rollout.make_scripted_rollout(env, m.tokenizer, max_turn=a.turns,
-                                            max_new_tokens=a.new_tokens, max_context=a.context)
+                                            max_new_tokens=a.new_tokens, max_context=a.context,
+                             prefill_dtype=training.compute_bound_dtype(),
+                             decode_windows=a.decode_windows)
     filler = "I think about the map and then decide where to go next. " * 20
     reply = m.tokenizer.decode(m.tokenizer.encode(filler)[:a.new_tokens - 12]) + \
         "</think><answer>Left || Up</answer>"
@@ -113,7 +124,8 @@ def main():
 
     out = {
         "device": jax.devices()[0].device_kind, "model": a.model, "env": a.env, "batch": B,
-        "turns": a.turns, "new_tokens": a.new_tokens,
+        "turns": a.turns, "new_tokens": a.new_tokens, "context": a.context,
+        "decode_windows": a.decode_windows,
         "rollout_s": t_roll, "rollout_compile_s": c_roll,
         "episodes_per_s": B / t_roll, "generated_tokens_per_s": generated / t_roll,
         "context_tokens_per_s": context / t_roll, "generated_tokens": generated,

@@ -43,7 +43,7 @@ def worker_jax(a) -> dict:
 
     from starpo import trainer, weights
 
-    m = weights.load_model(a.model, dtype=a.dtype, remat=a.remat)
+    m = weights.load_model(a.model, dtype=a.dtype, remat=a.remat, remat_policy=a.remat_policy)
     cfg, B, T = m.cfg, a.batch, a.seq_len
     algo = trainer.AlgoConfig(adv_estimator="grpo", ppo_mini_batch_size=B,
                               micro_batch_size=a.micro_batch, logit_chunk_size=a.logit_chunk,
@@ -142,6 +142,9 @@ def main():
                         "auto: what training uses here (bfloat16 on GPU/TPU and on CPUs with "
                         "native bfloat16, else float32)")
     p.add_argument("--remat", type=int, default=1, help="rematerialise each layer (1/0)")
+    p.add_argument("--remat_policy", default="save_dense", choices=["full", "save_dense"],
+                   help="what a rematerialised layer keeps (model.remat_policy; the cpu "
+                        "configs' save_dense)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--torch", choices=["auto", "no"], default="auto")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -159,7 +162,8 @@ def main():
     weights.load_model(a.model)  # fetch / convert once, outside the timed workers
     argv = [f"--model={a.model}", f"--batch={a.batch}", f"--seq_len={a.seq_len}",
             f"--micro_batch={a.micro_batch}", f"--logit_chunk={a.logit_chunk}",
-            f"--dtype={a.dtype}", f"--remat={a.remat}", f"--steps={a.steps}"]
+            f"--dtype={a.dtype}", f"--remat={a.remat}", f"--remat_policy={a.remat_policy}",
+            f"--steps={a.steps}"]
     tokens = a.batch * a.seq_len
     jx = run_worker("jax", argv)
     c = jx.pop("cfg")
@@ -167,7 +171,8 @@ def main():
     # scores and mixing (4 * layers * heads * head_dim * T/2 forward, x3 with the backward)
     flops_per_token = 6 * c["num_params"] + 6 * c["layers"] * c["heads"] * c["head_dim"] * a.seq_len
     result = dict(model=a.model, batch=a.batch, seq_len=a.seq_len, micro_batch=a.micro_batch,
-                  dtype=a.dtype, remat=bool(a.remat), logit_chunk=a.logit_chunk,
+                  dtype=a.dtype, remat=bool(a.remat), remat_policy=a.remat_policy,
+                  logit_chunk=a.logit_chunk,
                   tokens_per_s=round(tokens / jx["step_s"], 1), step_s=round(jx["step_s"], 2),
                   compile_s=round(jx["compile_s"], 1), peak_rss_gb=jx["peak_rss_gb"])
     peak = run_worker("peak", argv)

@@ -29,12 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 from starpo.sharding import constrain
 
 # A finite "minus infinity": a padding query with no visible key gets a uniform (finite)
 # attention row instead of NaN, which would otherwise poison gradients through `where`.
 _MASK_VALUE = -1e30
+# `ModelConfig.remat_policy` -> the jax.checkpoint policy of a rematerialised layer
+REMAT_POLICIES = {"full": None,
+                  "save_dense": jax.checkpoint_policies.save_only_these_names("dense")}
 # the residual stream's logical axes: rows split over the mesh's batch axes, width whole
 ACTIVATION_AXES = ("batch", "length", "act_embed")
 
@@ -61,6 +65,11 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay float32
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass (memory for compute)
+    # what a rematerialised layer keeps from its forward pass: "full" only its input (the whole
+    # layer runs again in the backward pass); "save_dense" also the outputs of its dense matmuls
+    # (q, k, v, o, gate, up, down: ~5k floats per token per layer for SmolLM2), so only norms,
+    # rotary, attention and activations run again
+    remat_policy: str = "full"
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -69,6 +78,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r}; known: "
+                             f"{', '.join(REMAT_POLICIES)}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -214,10 +226,58 @@ def _dot_product(dimension_numbers, a, b, out_dtype):
     return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x, w, w_contract: int):
+    """x [N,K] times w ([K,F] if w_contract == 0, [F,K] if 1) -> [N,F] float32.
+
+    The backward pass is written out as two plain 2-D products (dx = g w^T, dw = x^T g) that
+    contract the row axis of both operands in place. Left to autodiff (dot_general's
+    transpose rule, then XLA:CPU's layout assignment), the weight gradient came out as an
+    explicit transpose of the activation or cotangent, written by a loop that misses the cache
+    on every element: ~14 of the 52 s of SmolLM2's 8 x 512-token update on 2 cores. Inputs of
+    one low-precision dtype get mixed-precision gradients (see `_mixed`)."""
+    return jax.lax.dot_general(x, w, (((1,), (w_contract,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _matmul_fwd(x, w, w_contract):
+    return _matmul(x, w, w_contract), (x, w)
+
+
+def _matmul_bwd(w_contract, res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+    dx = dot(g, w, (((1,), (1 - w_contract,)), ((), ())))  # [N,K]
+    if w_contract == 0:
+        dw = dot(x, g, (((0,), (0,)), ((), ())))  # [K,F]
+    else:
+        dw = dot(g, x, (((0,), (0,)), ((), ())))  # [F,K]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 def _dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """The dense layers' dot_general: float32 accumulation and output, mixed-precision grads."""
+    """The dense layers' dot_general: float32 accumulation and output, mixed-precision grads.
+    The output is named "dense" for the "save_dense" remat policy.
+
+    Contracting the trailing axes of the input with the leading axes of the kernel (every
+    dense layer here) runs as one 2-D `_matmul`; other layouts go through `_float32_product`."""
     del precision, preferred_element_type
-    return _float32_product(functools.partial(_dot_product, dimension_numbers), lhs, rhs)
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc = [d % lhs.ndim for d in lc]
+    n = len(lc)
+    plain = (not lb and not rb and list(rc) == list(range(n))
+             and lc == list(range(lhs.ndim - n, lhs.ndim)) and lhs.dtype == rhs.dtype)
+    if plain:
+        lead, feat = lhs.shape[:lhs.ndim - n], rhs.shape[n:]
+        k = math.prod(rhs.shape[:n])
+        out = _matmul(lhs.reshape(-1, k), rhs.reshape(k, -1), 0).reshape(*lead, *feat)
+    else:
+        out = _float32_product(functools.partial(_dot_product, dimension_numbers), lhs, rhs)
+    return checkpoint_name(out, "dense")
 
 
 def _dense(features, axes, name, cfg, use_bias=False, in_axes=-1, init_scale=1.0):
@@ -389,7 +449,8 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
             param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=_partitioned(nn.initializers.normal(0.02), ("vocab", "embed")))
-        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+        block = (nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat_policy])
+                 if cfg.remat else Block)
         self.layers = nn.scan(
             block, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(0, nn.broadcast), length=cfg.num_layers,
@@ -451,8 +512,9 @@ class Transformer(nn.Module):
         """hidden [...,D] -> float32 logits [...,V]."""
         if self.cfg.tie_embeddings:
             dt = jnp.dtype(self.cfg.dtype)
-            out = mixed_einsum("...d,vd->...v", hidden.astype(dt),
-                               self.embed.embedding.astype(dt))
+            table = self.embed.embedding.astype(dt)  # [V,D]
+            out = _matmul(hidden.reshape(-1, hidden.shape[-1]).astype(dt), table, 1)
+            out = out.reshape(*hidden.shape[:-1], table.shape[0])
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)

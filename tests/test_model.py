@@ -164,9 +164,17 @@ def test_value_head_and_remat_gradients():
 
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     v, g = grad(params, cfg)
-    v_r, g_r = grad(params, cfg.replace(remat=True))
-    np.testing.assert_allclose(v, v_r, rtol=1e-6)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g, g_r)
+    for policy in M.REMAT_POLICIES:
+        v_r, g_r = grad(params, cfg.replace(remat=True, remat_policy=policy))
+        np.testing.assert_allclose(v, v_r, rtol=1e-6)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g, g_r)
+    # what runs again in the backward pass: the whole layer, or all but its dense matmuls
+    dots = {name: jax.jit(jax.grad(loss), static_argnums=1).lower(params, c).as_text().count(
+        "stablehlo.dot_general") for name, c in (
+            ("none", cfg), ("full", cfg.replace(remat=True)),
+            ("save_dense", cfg.replace(remat=True, remat_policy="save_dense")))}
+    assert dots["none"] < dots["save_dense"] < dots["full"], dots
+    assert dots["full"] - dots["save_dense"] > dots["save_dense"] - dots["none"], dots
     h, _ = M.hidden_states(params, cfg, ids, jnp.ones_like(ids, bool))
     assert M.head_values(params, cfg, h).shape == (2, 6)
     assert float(jnp.abs(g["value_head"]["kernel"]).sum()) > 0
@@ -175,6 +183,9 @@ def test_value_head_and_remat_gradients():
 
 
 def test_config_rejects_bad_heads():
+    with pytest.raises(ValueError, match="remat_policy"):
+        M.ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
+                      head_dim=4, intermediate_size=8, remat_policy="dots")
     with pytest.raises(ValueError, match="num_kv_heads"):
         M.ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2,
                       head_dim=4, intermediate_size=8)
