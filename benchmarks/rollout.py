@@ -59,7 +59,12 @@ def main():
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode_windows", type=int, default=4, help="as rollout.decode_windows")
+    p.add_argument("--parts", default="rollout,sampler,scripted",
+                   help="which timings to take (comma-separated), e.g. scripted alone")
     a = p.parse_args()
+    parts = set(a.parts.split(","))
+    if not parts or parts - {"rollout", "sampler", "scripted"}:
+        raise SystemExit(f"error: --parts takes rollout, sampler, scripted; got {a.parts!r}")
 
     m = weights.load_model(a.model)
     env = envs.make(a.env)
@@ -70,13 +75,24 @@ def main():
                              prefill_dtype=training.compute_bound_dtype(),
                              decode_windows=a.decode_windows)
     temp = jnp.float32(1.0)
-    c_roll, t_roll, (traj, metrics) = timed(
-        r.run, lambda i: (m.params, jax.random.key(i), jnp.int32(i * a.groups), temp,
-                          jnp.int32(rollout.TRAIN)), a.repeats)
-    print(f"rollout: compile {c_roll:.1f}s, then {t_roll:.2f}s", file=sys.stderr, flush=True)
-    traj, metrics = jax.device_get((traj, metrics))
-    generated = int(traj.loss_mask.sum())
-    context = int(traj.length.sum())
+    out = {
+        "device": jax.devices()[0].device_kind, "model": a.model, "env": a.env, "batch": B,
+        "turns": a.turns, "new_tokens": a.new_tokens, "context": a.context,
+        "decode_windows": a.decode_windows}
+    if "rollout" in parts:
+        c_roll, t_roll, (traj, metrics) = timed(
+            r.run, lambda i: (m.params, jax.random.key(i), jnp.int32(i * a.groups), temp,
+                              jnp.int32(rollout.TRAIN)), a.repeats)
+        traj, metrics = jax.device_get((traj, metrics))
+        generated = int(traj.loss_mask.sum())
+        out.update({
+            "rollout_s": t_roll, "rollout_compile_s": c_roll,
+            "episodes_per_s": B / t_roll, "generated_tokens_per_s": generated / t_roll,
+            "context_tokens_per_s": int(traj.length.sum()) / t_roll,
+            "generated_tokens": generated, "mean_turns": float(metrics["num_turns"].mean()),
+            "truncated": int(metrics["truncated"].sum())})
+        print(f"rollout: compile {c_roll:.1f}s, then {t_roll:.2f}s, {generated} tokens",
+              file=sys.stderr, flush=True)
 
     # ---- the sampler alone: prefix once, then `turns` turns of a fixed observation chunk
     tables = r.tables
@@ -104,14 +120,17 @@ def main():
             total += turn.length.sum()
         return total
 
-    c_smp, t_smp, smp_tokens = timed(sampler_only, lambda i: (m.params, jax.random.key(i)), a.repeats)
-    print(f"sampler: compile {c_smp:.1f}s, then {t_smp:.2f}s", file=sys.stderr, flush=True)
+    if "sampler" in parts:
+        c_smp, t_smp, smp_tokens = timed(sampler_only, lambda i: (m.params, jax.random.key(i)),
+                                         a.repeats)
+        out.update({"sampler_s": t_smp, "sampler_generated_tokens": int(smp_tokens),
+                    "sampler_generated_tokens_per_s": int(smp_tokens) / t_smp})
+        print(f"sampler: compile {c_smp:.1f}s, then {t_smp:.2f}s, {int(smp_tokens)} tokens",
+              file=sys.stderr, flush=True)
 
     # ---- env + render + parse alone: teacher-forced replies of new_tokens tokens, no model
     play, _ = rollout.make_scripted_rollout(env, m.tokenizer, max_turn=a.turns,
-                                            max_new_tokens=a.new_tokens, max_context=a.context,
-                             prefill_dtype=training.compute_bound_dtype(),
-                             decode_windows=a.decode_windows)
+                                            max_new_tokens=a.new_tokens, max_context=a.context)
     filler = "I think about the map and then decide where to go next. " * 20
     reply = m.tokenizer.decode(m.tokenizer.encode(filler)[:a.new_tokens - 12]) + \
         "</think><answer>Left || Up</answer>"
@@ -119,22 +138,13 @@ def main():
                                                a.new_tokens)
     states, _ = jax.jit(lambda: rollout._initial_states(env, jax.random.key(0), 0, 0, a.groups,
                                                         a.group_size))()
-    c_scr, t_scr, _ = timed(play, lambda i: (states, rids, rlen, rstop, jax.random.key(i)),
-                            a.repeats)
-
-    out = {
-        "device": jax.devices()[0].device_kind, "model": a.model, "env": a.env, "batch": B,
-        "turns": a.turns, "new_tokens": a.new_tokens, "context": a.context,
-        "decode_windows": a.decode_windows,
-        "rollout_s": t_roll, "rollout_compile_s": c_roll,
-        "episodes_per_s": B / t_roll, "generated_tokens_per_s": generated / t_roll,
-        "context_tokens_per_s": context / t_roll, "generated_tokens": generated,
-        "mean_turns": float(metrics["num_turns"].mean()),
-        "truncated": int(metrics["truncated"].sum()),
-        "sampler_s": t_smp, "sampler_generated_tokens": int(smp_tokens),
-        "sampler_generated_tokens_per_s": int(smp_tokens) / t_smp,
-        "scripted_s": t_scr, "overhead_fraction": t_scr / t_roll,
-    }
+    if "scripted" in parts:
+        c_scr, t_scr, _ = timed(play, lambda i: (states, rids, rlen, rstop, jax.random.key(i)),
+                                a.repeats)
+        out["scripted_s"] = t_scr
+        print(f"scripted: {t_scr:.3f}s", file=sys.stderr, flush=True)
+        if "rollout" in parts:
+            out["overhead_fraction"] = t_scr / out["rollout_s"]
     print(json.dumps(out))
 
 
