@@ -147,8 +147,15 @@ def main():
                         "configs' save_dense)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--torch", choices=["auto", "no"], default="auto")
+    p.add_argument("--torch_variants", default="float32,bf16_autocast",
+                   help="PyTorch steps to time (bfloat16 autocast is very slow on CPUs "
+                        "without native bfloat16)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    unknown = [v for v in a.torch_variants.split(",") if f"torch_{v}" not in WORKERS]
+    if unknown:
+        raise SystemExit(f"error: unknown --torch_variants entry {unknown[0]!r} "
+                         "(float32, bf16_autocast)")
     if a.worker:
         out = WORKERS[a.worker](a)
         out["peak_rss_gb"] = round(peak_rss_gb(), 2)
@@ -188,12 +195,12 @@ def main():
         except ImportError:
             print("torch not installed: no PyTorch comparison", file=sys.stderr)
         else:
-            for name in ("torch_float32", "torch_bf16_autocast"):
+            names = [f"torch_{v}" for v in a.torch_variants.split(",")]
+            for name in names:
                 r = run_worker(name, argv)
                 result[f"{name}_tokens_per_s"] = round(tokens / r["step_s"], 1)
                 result[f"{name}_peak_rss_gb"] = r["peak_rss_gb"]
-            best = max(("torch_float32", "torch_bf16_autocast"),
-                       key=lambda n: result[f"{n}_tokens_per_s"])
+            best = max(names, key=lambda n: result[f"{n}_tokens_per_s"])
             result["torch_tokens_per_s"] = result[f"{best}_tokens_per_s"]
             result["torch_peak_rss_gb"] = result[f"{best}_peak_rss_gb"]
             result["speedup_vs_torch"] = round(result["tokens_per_s"]
