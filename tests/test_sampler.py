@@ -136,7 +136,7 @@ def test_inactive_rows_stay_untouched_and_full_context_stops(tiny):
 
 
 def test_decode_windows_change_nothing_but_the_work(tiny):
-    """Three turns with decode windows (64, 128, 192 of 256 slots) against the whole cache:
+    """Three turns with decode windows (128 of 256 slots) against the whole cache:
     the same tokens, log-probs and final state, including a long inactive row whose history
     lies beyond the window its neighbours decode in."""
     cfg, params = tiny
@@ -146,7 +146,7 @@ def test_decode_windows_change_nothing_but_the_work(tiny):
     prompts = padded([rng.integers(6, cfg.vocab_size, n) for n in (30, 12, 20)], 30)
     short = padded([[6], [7, 8], [9]], 2)
     results, long_chunk = [], None
-    for windows in (1, 4):
+    for windows in (1, 2):
         smp = S.make_sampler(cfg, FakeTok, max_new_tokens=8, decode_windows=windows)
         state, t1 = smp.generate(params, *prompts, jax.random.key(0), 1.0, 256)
         if long_chunk is None:  # row 0 ends its chunk 3 slots short of the 128 window:
@@ -159,7 +159,7 @@ def test_decode_windows_change_nothing_but_the_work(tiny):
                              jnp.asarray([False, True, True]))
         results.append(jax.tree_util.tree_map(np.asarray, (state, t1, t2, t3)))
     assert int(results[0][2].length[0]) > 3  # row 0's turn 2 reply runs past slot 128
-    assert int(results[0][0].cache.end[1:].max()) + 8 <= 64  # turn 3 decodes in 64 slots
+    assert int(results[0][0].cache.end[1:].max()) + 8 <= 128  # turn 3 decodes in 128 slots
     for whole, windowed in zip(*(jax.tree_util.tree_leaves(r) for r in results)):
         if whole.dtype.kind == "f":
             np.testing.assert_allclose(windowed, whole, rtol=1e-5, atol=1e-6)
