@@ -548,7 +548,7 @@ class Transformer(nn.Module):
                 kernel_init=_partitioned(nn.initializers.zeros, ("embed", None)),
                 bias_init=_partitioned(nn.initializers.zeros, (None,)))
 
-    def __call__(self, tokens, valid, cache: KVCache | None = None):
+    def __call__(self, tokens, valid, cache: KVCache | None = None, fresh: bool = False):
         """tokens [B,T] int, valid [B,T] bool -> (hidden [B,T,D], new cache or None).
 
         Without a cache the chunk attends causally to its own valid tokens (training forward).
@@ -558,11 +558,15 @@ class Transformer(nn.Module):
         by the number of valid tokens. Rows with no valid token are left bit for bit as they
         were; valid tokens that would land past the cache's end are dropped (callers check
         room first, see `sampler`).
+
+        fresh=True promises that the cache holds nothing yet (a first prefill): the chunk then
+        attends causally to itself alone, as without a cache (`causal_attention`, skipping
+        the empty slots), and its keys/values are written as usual.
         """
         valid = valid.astype(bool)
         positions, chunk_mask = _chunk_geometry(valid, cache)
         kv, cache_valid = None, None
-        if cache is not None:
+        if cache is not None and not fresh:
             kv, cache_valid = (cache.k, cache.v), cache.valid
 
         x = self.embed_tokens(tokens)
@@ -643,15 +647,18 @@ def forward(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = Non
     return model.apply({"params": params}, hidden, method=Transformer.logits), cache
 
 
-def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None):
+def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None,
+                  fresh: bool = False):
     """Final-norm hidden states [B,T,D] and the updated cache (heads applied separately).
 
     With `split_layers` params or a `split_cache` cache the layers run one by one (unrolled)
-    instead of as a scan; the numbers are the same.
+    instead of as a scan; the numbers are the same. fresh=True: the caller knows the cache is
+    empty (see `Transformer.__call__`); the same numbers, without attending over empty slots
+    (stacked layers only: layer by layer it changes nothing).
     """
     if _is_split(params["layers"]) or (cache is not None and _is_split(cache.k)):
         return _hidden_states_layerwise(params, cfg, tokens, valid, cache)
-    return Transformer(cfg).apply({"params": params}, tokens, valid, cache)
+    return Transformer(cfg).apply({"params": params}, tokens, valid, cache, fresh)
 
 
 def head_logits(params, cfg: ModelConfig, hidden):

@@ -965,7 +965,7 @@ def append_without_reply(cfg, params, state: sampler_lib.SamplerState, chunk, va
     prefix). The sampler's own append (`sampler.append`), minus its decode loop."""
     params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(cfg.dtype)), params)
     valid = jnp.ones(chunk.shape, bool) if valid is None else valid
-    return sampler_lib.append(params, cfg, state, chunk, valid)[1]
+    return sampler_lib.append(params, cfg, state, chunk, valid, fresh=True)[1]
 
 
 @struct.dataclass

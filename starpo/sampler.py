@@ -214,8 +214,8 @@ class Sampler:
         """One turn from an empty state: prompt [B,P] -> (state, Turn)."""
         B = prompt.shape[0]
         state = init_state(self.cfg, B, cache_len, cache_dtype)
-        return self.turn(params, state, prompt, prompt_valid, key, temperature,
-                         jnp.ones((B,), bool), token_bytes)
+        return run_turn(self, params, state, prompt, prompt_valid, key,
+                        jnp.float32(temperature), jnp.ones((B,), bool), token_bytes, fresh=True)
 
 
 def make_sampler(cfg: ModelConfig, tokenizer, max_new_tokens: int, stop=(), top_k: int = 0,
@@ -237,22 +237,26 @@ def window_sizes(max_len: int, n: int) -> tuple[int, ...]:
     return tuple(sorted(cuts | {max_len}))
 
 
-def append(params, cfg: ModelConfig, state: SamplerState, chunk, chunk_valid):
+def append(params, cfg: ModelConfig, state: SamplerState, chunk, chunk_valid,
+           fresh: bool = False):
     """Write chunk [B,C] (valid [B,C]) at each row's offset: its tokens into the state's token
     buffer and its keys/values into the cache, without decoding.
-    Returns (hidden [B,C,D] of the chunk, new state). `params` already in cfg.dtype."""
+    Returns (hidden [B,C,D] of the chunk, new state). `params` already in cfg.dtype.
+    fresh=True: the state is known to be empty (its first chunk), so the chunk attends to
+    itself alone instead of also over every (empty) cache slot."""
     B, C = chunk.shape
     slots = jnp.where(chunk_valid, state.cache.end[:, None] + jnp.arange(C)[None, :],
                       state.cache.max_len)
     tokens = state.tokens.at[jnp.arange(B)[:, None], slots].set(chunk, mode="drop")
-    hidden, cache = model_lib.hidden_states(params, cfg, chunk, chunk_valid, state.cache)
+    hidden, cache = model_lib.hidden_states(params, cfg, chunk, chunk_valid, state.cache, fresh)
     return hidden, state.replace(cache=cache, tokens=tokens)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="fresh", donate_argnums=2)
 def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, temperature,
-             active, token_bytes):
-    """The jitted program behind `Sampler.turn` (exposed for ahead-of-time `.lower()`)."""
+             active, token_bytes, fresh: bool = False):
+    """The jitted program behind `Sampler.turn` (exposed for ahead-of-time `.lower()`).
+    fresh=True: `state` is empty (`Sampler.generate`); see `append`."""
     cfg, N = s.cfg, s.max_new_tokens
     B, C = chunk.shape
     S = state.cache.max_len
@@ -270,7 +274,7 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     # a turn continues from its chunk's last token, so an active row needs a non-empty chunk
     # and room for at least one reply token
     live = active & fits & (span > 0) & (state.cache.end + span < S)
-    hidden, appended = append(pre_params, pre_cfg, state, chunk, write)
+    hidden, appended = append(pre_params, pre_cfg, state, chunk, write, fresh)
     tokens_buf = appended.tokens
     # Decode layer by layer on per-layer weight and cache buffers, cut once here: under the
     # layer scan each step would copy every layer's weights and cache block out of the stacked
