@@ -268,3 +268,24 @@ def test_block_causal_attention_equals_plain_attention():
              for f in (plain, lambda *a: M.causal_attention(*a, valid, G, block))]
     for name, want, have in zip("qkv", *grads):
         np.testing.assert_allclose(have, want, atol=1e-4, err_msg=f"d{name}")
+
+
+def test_fresh_prefill_equals_attending_over_the_empty_cache(tiny):
+    """fresh=True (the first chunk into an empty cache, attended in causal blocks without the
+    empty slots) gives the hidden states and the cache of the cache path, and decoding on
+    from either cache gives the same logits. 90 tokens: two query blocks; left padding."""
+    cfg, params = tiny
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 90)), jnp.int32)
+    valid = jnp.asarray(np.arange(90)[None] >= np.array([[0], [23]]))
+    out = {}
+    for fresh in (False, True):
+        h, cache = jax.jit(lambda t, v, c, f=fresh: M.hidden_states(params, cfg, t, v, c, f))(
+            tokens, valid, M.init_cache(cfg, 2, 100))
+        step, _ = M.forward(params, cfg, tokens[:, :1], jnp.ones((2, 1), bool), cache)
+        out[fresh] = (h, cache, step)
+    (h0, c0, s0), (h1, c1, s1) = out[False], out[True]
+    np.testing.assert_allclose(h1[valid], h0[valid], atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(c1), jax.tree_util.tree_leaves(c0)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(s1, s0, atol=1e-4)
