@@ -81,3 +81,18 @@ def smollm2():
         return weights.load_model("smollm2-135m-instruct")
     except weights.LoadError as e:
         pytest.skip(f"embedded model unavailable: {e}")
+
+
+# Files whose tests take minutes (training runs, the 8-device subprocess, the real model) go
+# first, so that under pytest-xdist's per-file scheduling the short files fill the other
+# workers meanwhile instead of one long file running alone at the end.
+SLOW_FILES_FIRST = ("test_training.py", "test_sharding.py", "test_smollm2.py",
+                    "test_rollout_mixed.py", "test_sampler.py", "test_model.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = os.path.basename(str(item.fspath))
+        return SLOW_FILES_FIRST.index(name) if name in SLOW_FILES_FIRST else len(SLOW_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside a file is kept
