@@ -330,7 +330,7 @@ def _causal_attention_fwd(q, k, v, valid, G, block):
         outs.append(jax.lax.dot_general(p, v[:, :, :stop], (((3,), (2,)), ((0, 1), (0, 1))),
                                         preferred_element_type=jnp.float32))
         probs.append(p)
-    out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+    out = jnp.concatenate(outs, axis=2)
     return out, (q, k, v, out, tuple(probs))
 
 
@@ -348,10 +348,9 @@ def _causal_attention_bwd(G, block, res, g):
         dp = dot(gb, v[:, :, :stop], (((3,), (3,)), bat))  # [B,K,rows,stop]
         ds = (p.astype(jnp.float32) * (dp - delta[:, :, rows])).astype(q.dtype)
         dq.append(dot(ds, k[:, :, :stop], (((3,), (2,)), bat)))  # [B,K,rows,E]
-        pad = ((0, 0), (0, 0), (0, T - stop), (0, 0))
         dk = dk.at[:, :, :stop].add(dot(ds, q[:, :, rows], (((2,), (2,)), bat)))
         dv = dv.at[:, :, :stop].add(dot(p, gb, (((2,), (2,)), bat)))
-    dq = jnp.concatenate(dq, axis=2) if len(dq) > 1 else dq[0]
+    dq = jnp.concatenate(dq, axis=2)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
