@@ -64,6 +64,13 @@ class Settings:
     val_every: int = 5
     # algorithm
     estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    high_level_gamma: float = 0.95
+    critic_warmup: int = 0
+    turn_scores: bool = False
+    warmup_steps: int = 0
+    adam_b2: float = 0.999
     lr: float = 3e-3
     critic_lr: float = 3e-3
     entropy_coeff: float = 0.0
@@ -183,7 +190,10 @@ def main(argv=None):
         ppo_mini_batch_size=s.mini_batch or B, micro_batch_size=s.micro_batch or s.mini_batch or B,
         ppo_epochs=s.ppo_epochs, norm_adv_by_std_in_grpo=s.std_norm, online_k=s.online_k, reward_norm_method=s.reward_norm,
         loss_agg_mode=s.loss_agg, weight_decay=s.weight_decay, grad_clip=s.grad_clip,
-        clip_ratio_low=s.clip_low, clip_ratio_high=s.clip_high, temperature=s.temperature)
+        clip_ratio_low=s.clip_low, clip_ratio_high=s.clip_high, temperature=s.temperature,
+        gamma=s.gamma, lam=s.lam, high_level_gamma=s.high_level_gamma,
+        critic_warmup=s.critic_warmup, use_turn_scores=s.turn_scores,
+        warmup_steps=s.warmup_steps, adam_b2=s.adam_b2)
     critic_cfg = cfg.replace(value_head=True) if algo.uses_critic else None
     update = trainer.make_update(algo, cfg, critic_cfg, compiler_options=opts)
     copy = lambda t: jax.tree_util.tree_map(jnp.array, t)  # noqa: E731
@@ -242,7 +252,10 @@ def main(argv=None):
             step_times.append(dt)
         line = (f"step {step + 1:3d} train success {succ:.3f} score {score:+.3f} format_ok "
                 f"{fmt:.2f} turns {turns:.2f} entropy {float(um['actor/entropy']):.3f} "
-                f"kl {float(um['actor/ppo_kl']):+.4f} {dt:.2f}s (rollout {t_roll:.2f}s)")
+                f"kl {float(um['actor/ppo_kl']):+.4f} {dt:.2f}s (rollout {t_roll:.2f}s)"
+                + (f" ev {float(um['critic/vf_explained_var']):+.2f}"
+                   if "critic/vf_explained_var" in um else "")
+                + f" gn {float(um['actor/grad_norm']):.2f}")
         if (step + 1) % s.val_every == 0 or step + 1 == s.steps:
             t1 = time.perf_counter()
             v = validate(state.actor_params)
