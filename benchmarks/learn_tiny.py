@@ -47,6 +47,7 @@ class Settings:
     mlp: int = 128
     vocab: int = 128
     model_seed: int = 0
+    theta: int = 10000  # RoPE base of the tiny model
     split: str = "none"
     whole: bool = True  # long fixed template texts as whole added tokens (rollout.template_strings)
     # rollout
@@ -121,7 +122,7 @@ def build(s: Settings):
         env, max_turn=s.max_turn, max_new_tokens=s.max_new_tokens, thinking=False,
         max_actions_per_turn=per_turn)) if s.whole else ()
     spec = (f"tiny:layers={s.layers},hidden={s.hidden},heads={s.heads},kv_heads={s.kv_heads},"
-            f"head_dim={s.head_dim},mlp={s.mlp},vocab={s.vocab},seed={s.model_seed}")
+            f"head_dim={s.head_dim},mlp={s.mlp},vocab={s.vocab},seed={s.model_seed},theta={s.theta}")
     m = weights.load_model(spec, tiny_corpus=corpus, tiny_tokenizer=dict(
         split=s.split, alphabet="corpus", builtin_corpus=False, added_tokens=added))
     tok, cfg = m.tokenizer, m.cfg

@@ -470,15 +470,19 @@ def converted_dir(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- tiny
+# theta: the RoPE base. 10000 (Llama's) turns most of a 16-dim head's frequency pairs by under a
+# radian across a few hundred tokens, so a tiny model from scratch has little to tell nearby
+# positions apart with; a base of ~100 suits contexts this short (a FrozenLake 3x3 supervised
+# probe: 0.85 of moves right after 75 batches of 64 levels at 100, 0.51 at 10000).
 TINY_DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=384,
-                     seed=0)
+                     seed=0, theta=10000)
 
 
 def tiny_config(vocab_size: int, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128,
-                **overrides) -> ModelConfig:
+                theta=10000, **overrides) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers,
                        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                       intermediate_size=mlp, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       intermediate_size=mlp, rope_theta=float(theta), rms_norm_eps=1e-5,
                        tie_embeddings=True, max_position_embeddings=4096, **overrides)
 
 
