@@ -71,6 +71,10 @@ class AlgoConfig:
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
     warmup_steps: int = 0
+    # cosine decay of the learning rate to min_lr_ratio x lr over this many optimizer updates
+    # after the warm-up (0 = constant, the reference's default)
+    lr_decay_steps: int = 0
+    min_lr_ratio: float = 0.0
     weight_decay: float = 0.01  # AdamW's decoupled decay (the reference's optimizer default)
     adam_b1: float = 0.9
     adam_b2: float = 0.999
@@ -104,6 +108,9 @@ class AlgoConfig:
         if not 0.0 < self.rollout_filter_ratio <= 1.0:
             raise ValueError(f"rollout_filter_ratio must be in (0, 1], got "
                              f"{self.rollout_filter_ratio}")
+        if self.lr_decay_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"lr_decay_steps must be >= 0 and min_lr_ratio in [0, 1], got "
+                             f"{self.lr_decay_steps} and {self.min_lr_ratio}")
 
     def replace(self, **changes) -> "AlgoConfig":
         return dataclasses.replace(self, **changes)
@@ -136,19 +143,31 @@ class TrainState:
     critic_opt_state: Any
 
 
-def lr_schedule(lr: float, warmup_steps: int):
+def lr_schedule(lr: float, warmup_steps: int, decay_steps: int = 0, min_ratio: float = 0.0):
     """Linear warm-up to `lr` over `warmup_steps` optimizer updates (the first one uses
-    lr / warmup_steps, not 0), then constant."""
-    if warmup_steps <= 0:
-        return lambda count: jnp.float32(lr)
-    return lambda count: lr * jnp.minimum(1.0, (count + 1.0) / warmup_steps)
+    lr / warmup_steps, not 0), then constant, or with `decay_steps` > 0 a cosine decay to
+    `min_ratio * lr` over that many updates (then flat there)."""
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        x = jnp.float32(lr)
+        if warmup_steps > 0:
+            x = x * jnp.minimum(1.0, (count + 1.0) / warmup_steps)
+        if decay_steps > 0:
+            t = jnp.clip((count - warmup_steps) / decay_steps, 0.0, 1.0)
+            x = x * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + jnp.cos(jnp.pi * t)))
+        return x
+    return schedule
+
+
+def algo_lr_schedule(lr: float, algo: "AlgoConfig"):
+    return lr_schedule(lr, algo.warmup_steps, algo.lr_decay_steps, algo.min_lr_ratio)
 
 
 def make_optimizer(lr: float, algo: AlgoConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with warm-up."""
     return optax.chain(
         optax.clip_by_global_norm(algo.grad_clip),
-        optax.adamw(lr_schedule(lr, algo.warmup_steps), b1=algo.adam_b1, b2=algo.adam_b2,
+        optax.adamw(algo_lr_schedule(lr, algo), b1=algo.adam_b1, b2=algo.adam_b2,
                     weight_decay=algo.weight_decay))
 
 
@@ -483,8 +502,8 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
     grads_fn = make_grad_fn(algo, actor_cfg, critic_cfg)
     actor_tx = make_optimizer(algo.actor_lr, algo)
     critic_tx = make_optimizer(algo.critic_lr, algo)
-    actor_lr = lr_schedule(algo.actor_lr, algo.warmup_steps)
-    critic_lr = lr_schedule(algo.critic_lr, algo.warmup_steps)
+    actor_lr = algo_lr_schedule(algo.actor_lr, algo)
+    critic_lr = algo_lr_schedule(algo.critic_lr, algo)
 
     def update(state: TrainState, traj: Trajectory, key: jax.Array, ref_params=None):
         batch, metrics = prepare(state, traj, ref_params)

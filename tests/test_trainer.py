@@ -340,3 +340,17 @@ def test_update_on_the_trimmed_context_equals_the_full_one(params, traj, ppo_upd
         assert float(short_m[name]) == pytest.approx(float(full_m[name]), rel=1e-4, abs=1e-6), name
     assert_trees_close(short_state.actor_params, full_state.actor_params, rtol=1e-4, atol=1e-6)
     assert_trees_close(short_state.critic_params, full_state.critic_params, rtol=1e-4, atol=1e-6)
+
+
+def test_lr_schedule_warmup_then_cosine_decay():
+    """Hand-derived: warm-up (count + 1) / 4 of lr, then lr * (r + (1 - r) (1 + cos(pi t)) / 2)
+    with t = (count - 4) / 8, flat at r * lr afterwards; no decay = constant after warm-up."""
+    f = TR.lr_schedule(2.0, warmup_steps=4, decay_steps=8, min_ratio=0.25)
+    got = [float(f(c)) for c in (0, 3, 4, 6, 8, 12, 20)]
+    want = [0.5, 2.0, 2.0, 2.0 * (0.25 + 0.75 * (1 + np.cos(np.pi / 4)) / 2),
+            2.0 * (0.25 + 0.75 * 0.5), 0.5, 0.5]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    g = TR.lr_schedule(2.0, warmup_steps=0)
+    assert [float(g(c)) for c in (0, 100)] == [2.0, 2.0]
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        TR.AlgoConfig(min_lr_ratio=1.5)

@@ -66,23 +66,22 @@ def test_bandit_learns_the_high_risk_arm(bandit_trained):
 
 
 def test_frozenlake_learns_to_reach_the_goal(tmp_path):
-    """From ~0 to a mover that plays the answer format, in the first 20 of the config's 80
-    steps (the suite's budget: ~2 s a step on one core, plus compiles).
+    """From ~0 to a policy that reads the grid, in the first 80 of the config's 150 steps (the
+    suite's budget: ~1.4 s a step on one core, plus compiles).
 
-    This proves the loop learns what the reward teaches first (the format), not the task: the
-    issue's 0.8 is not reached, nor reliably a uniformly random mover (0.26; the best
-    grid-blind move sequence scores 0.36). With this config and seed, on 128 held-out levels:
-    success 0.02 -> 0.24 (step 10) -> 0.20 (20), valid actions 0.06 -> 1.00 -> 1.00; a 40-step
-    run went on 0.25 (30) -> 0.15 (40), and runs of up to 200 steps with other settings stayed
-    at 0.3-0.44 (README). The test asserts validity >= 0.9 and success >= 0.1.
+    On this 3x3 lake a uniformly random mover scores 0.26 and the best grid-blind move sequence
+    0.36, so validation success >= 0.4 means the model uses the map. With this config and
+    seed, on 128 held-out levels: success 0.00 -> 0.27 (20) -> 0.45 (40) -> 0.50 (80), valid
+    actions 0.06 -> 1.00; the whole 150-step run ends at 0.78 (seed 1: 0.75) and a 250-step
+    one at the figures in the README: the issue's 0.8 is not asserted.
     """
-    config = with_changes(frozenlake.get_config("tiny"), trainer__total_steps=20)
+    config = with_changes(frozenlake.get_config("tiny"), trainer__total_steps=80)
     workdir = str(tmp_path / "run")
     training.train(config, workdir, progress=False, log=lambda *a: None)
     series = val_series(workdir, "val/FrozenLake/success")
     print("val/FrozenLake/success by step:", series)
     assert series[0][0] == 0 and series[0][1] < 0.05, series
-    assert series[-1][0] == config.trainer.total_steps and series[-1][1] >= 0.1, series
+    assert series[-1][0] == config.trainer.total_steps and series[-1][1] >= 0.4, series
     valid = val_series(workdir, "val/FrozenLake/action_is_valid")
     assert valid[0][1] < 0.2 and valid[-1][1] >= 0.9, valid
     rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
