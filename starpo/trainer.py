@@ -164,7 +164,7 @@ def algo_lr_schedule(lr: float, algo: "AlgoConfig"):
 
 
 def make_optimizer(lr: float, algo: AlgoConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with warm-up."""
+    """Global-norm clipping, then AdamW with the warm-up / decay schedule."""
     return optax.chain(
         optax.clip_by_global_norm(algo.grad_clip),
         optax.adamw(algo_lr_schedule(lr, algo), b1=algo.adam_b1, b2=algo.adam_b2,

@@ -51,7 +51,7 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "model.remat_policy", "mesh.data", "mesh.fsdp", "mesh.tensor",
                      "mesh.distributed")
 # Keys added after runs were saved: a run saved without one had the default.
-ADDED_KEYS = {"env.mix": ""}
+ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0}
 
 
 # ----------------------------------------------------------------------------- config

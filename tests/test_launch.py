@@ -175,3 +175,20 @@ def test_eval_and_export_need_a_run(tmp_path):
     assert p.returncode == 2 and "not a training workdir" in p.stderr, p.stderr
     p = run_cli("launch/export.py", f"--checkpoint={tmp_path}", f"--out={tmp_path}/x")
     assert p.returncode == 2 and "not a training workdir" in p.stderr, p.stderr
+
+
+def test_a_run_saved_before_a_key_was_added_still_resumes():
+    """A workdir's config.json from before a key existed (env.mix, the lr decay knobs) had
+    that key's default: it resumes with the default and refuses another value."""
+    import json
+
+    c = bandit.get_config("tiny")
+    saved = json.loads(training.config_json(c))
+    del saved["env"]["mix"]
+    del saved["algorithm"]["lr_decay_steps"], saved["algorithm"]["min_lr_ratio"]
+    training.check_resumable(json.dumps(saved), c)
+    other = c.copy_and_resolve_references()
+    other.unlock()
+    other.algorithm.lr_decay_steps = 100
+    with pytest.raises(ValueError, match="algorithm.lr_decay_steps"):
+        training.check_resumable(json.dumps(saved), other)
