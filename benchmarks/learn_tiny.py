@@ -122,7 +122,8 @@ def build(s: Settings):
         env, max_turn=s.max_turn, max_new_tokens=s.max_new_tokens, thinking=False,
         max_actions_per_turn=per_turn)) if s.whole else ()
     spec = (f"tiny:layers={s.layers},hidden={s.hidden},heads={s.heads},kv_heads={s.kv_heads},"
-            f"head_dim={s.head_dim},mlp={s.mlp},vocab={s.vocab},seed={s.model_seed},theta={s.theta}")
+            f"head_dim={s.head_dim},mlp={s.mlp},vocab={s.vocab},seed={s.model_seed},"
+            f"theta={s.theta}")
     m = weights.load_model(spec, tiny_corpus=corpus, tiny_tokenizer=dict(
         split=s.split, alphabet="corpus", builtin_corpus=False, added_tokens=added))
     tok, cfg = m.tokenizer, m.cfg

@@ -86,12 +86,12 @@ def main(argv=None):
 
     def levels(seed, stream, B, rng):
         """Scripted episodes of B levels -> (batch arrays, per-turn shortest distance)."""
-        st, _ = rollout._initial_states(env, jax.random.key(0), seed, stream, B, 1)
+        (st,), _ = rollout.mixed_initial_states(((env, B),), jax.random.key(0), seed, stream, 1)
         grids, starts = np.asarray(st.grid), np.asarray(st.pos)
         replies, opt = [], np.zeros((B, MAX_TURN, 4), bool)
         dist_at = np.full((B, MAX_TURN), -1)
         for b in range(B):
-            grid, pos, dist, rs = grids[b], tuple(int(x) for x in starts[b]), None, []
+            grid, pos, rs = grids[b], tuple(int(x) for x in starts[b]), []
             dist = distances(grid, n)
             for k in range(MAX_TURN):
                 opt[b, k], dist_at[b, k] = optimal_moves(pos, dist, n), dist[pos]
