@@ -4,14 +4,18 @@ model's shape before spending RL steps on it: RL's signal is far weaker than the
 
     python benchmarks/probe_frozenlake.py --theta=100
     python benchmarks/probe_frozenlake.py --theta=10000 --steps=200 --layers=3
+    python benchmarks/probe_frozenlake.py --run=runs/frozenlake_tiny   # score an RL run's policy
 
 Levels are played by a scripted policy (the optimal move, or with probability --eps a random
 one) through the rollout's own episode loop (`rollout.make_scripted_rollout`), so the context
 is exactly what the RL rollout shows. The model is trained by cross-entropy on the optimal set
 at each reply position (-log of the probability mass on the optimal answers), on a fresh batch
 of TRAIN levels per step; every 25 steps it prints move accuracy on 512 VALIDATION levels,
-per turn. At the end: accuracy by shortest-path distance to the goal, and the success of the
-trained model in the real sampled rollout (temperatures 0.5, 1, greedy). The last line is JSON.
+per turn. At the end: accuracy by shortest-path distance to the goal; accuracy where the goal
+is diagonal and a hole next to the player blocks one of the two directions towards it (a model
+blind to holes picks one direction by rule and gets these wrong half the time) and elsewhere;
+and the success of the trained model in the real sampled rollout (temperatures 0.5, 1, greedy).
+The last line is JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import learn_tiny  # noqa: E402
+from envs import text as env_text  # noqa: E402
 from starpo import model as model_lib  # noqa: E402
 from starpo import rollout  # noqa: E402
 
@@ -63,6 +68,16 @@ def optimal_moves(pos, dist, n):
     return np.array([dist.get(step_pos(pos, a, n), -9) == dist[pos] - 1 for a in MOVES])
 
 
+def hole_blocks_diagonal(grid, pos) -> bool:
+    """The goal is diagonal from `pos` (a different row and column) and one of the two moves
+    towards it lands in a hole: the cases a model that ignores holes gets wrong half the time."""
+    goal = np.argwhere(grid == 2)[0]
+    dr, dc = int(np.sign(goal[0] - pos[0])), int(np.sign(goal[1] - pos[1]))
+    if dr == 0 or dc == 0:
+        return False
+    return bool(grid[pos[0] + dr, pos[1]] == 1) != bool(grid[pos[0], pos[1] + dc] == 1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     for name, default in dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128,
@@ -70,12 +85,25 @@ def main(argv=None):
         p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eps", type=float, default=0.3)
+    p.add_argument("--run", default="",
+                   help="a training workdir (or one checkpoint in it) of a FrozenLake run: "
+                        "score its policy instead of training one (--steps is ignored)")
     a = p.parse_args(argv)
 
-    s = learn_tiny.Settings(size=a.size, layers=a.layers, hidden=a.hidden, heads=a.heads,
-                            kv_heads=a.kv_heads, head_dim=a.head_dim, mlp=a.mlp,
-                            model_seed=a.seed, theta=a.theta)
-    env, m, etext = learn_tiny.build(s)
+    if a.run:
+        from starpo import training
+        config, m, step = training.load_run(a.run)
+        if config.env.name != "FrozenLake" or config.env.options.is_slippery:
+            raise SystemExit(f"error: {a.run} is not a non-slippery FrozenLake run")
+        env = training.make_env(config, config.env.name)
+        etext = env_text.make_text(env, config.rollout.max_actions_per_turn or None)
+        a.steps, a.size = 0, env.size
+        print(f"scoring {m.source}", flush=True)
+    else:
+        s = learn_tiny.Settings(size=a.size, layers=a.layers, hidden=a.hidden, heads=a.heads,
+                                kv_heads=a.kv_heads, head_dim=a.head_dim, mlp=a.mlp,
+                                model_seed=a.seed, theta=a.theta)
+        env, m, etext = learn_tiny.build(s)
     tok, cfg, n = m.tokenizer, m.cfg, a.size
     tables = rollout.build_tables(tok, etext, MAX_TURN, 1, False)
     ctx = -(-learn_tiny.context_needed(tables, etext, MAX_TURN, 1) // 8) * 8
@@ -85,16 +113,20 @@ def main(argv=None):
     print(f"params {cfg.num_params}, context {ctx}, answer tokens {answers.tolist()}", flush=True)
 
     def levels(seed, stream, B, rng):
-        """Scripted episodes of B levels -> (batch arrays, per-turn shortest distance)."""
+        """Scripted episodes of B levels -> (batch arrays, per-turn shortest distance, per-turn
+        case: 0 other, 1 the goal is diagonal and a hole next to the player blocks one of the
+        two directions towards it)."""
         (st,), _ = rollout.mixed_initial_states(((env, B),), jax.random.key(0), seed, stream, 1)
         grids, starts = np.asarray(st.grid), np.asarray(st.pos)
         replies, opt = [], np.zeros((B, MAX_TURN, 4), bool)
         dist_at = np.full((B, MAX_TURN), -1)
+        case = np.zeros((B, MAX_TURN), int)
         for b in range(B):
             grid, pos, rs = grids[b], tuple(int(x) for x in starts[b]), []
             dist = distances(grid, n)
             for k in range(MAX_TURN):
                 opt[b, k], dist_at[b, k] = optimal_moves(pos, dist, n), dist[pos]
+                case[b, k] = hole_blocks_diagonal(grid, pos)
                 act = (int(rng.integers(1, 5)) if rng.random() < a.eps
                        else int(rng.choice(np.flatnonzero(opt[b, k]))) + 1)
                 rs.append(env.action_names[act - 1] + "</answer>")
@@ -107,7 +139,7 @@ def main(argv=None):
                           jax.random.key(1))
         live = (dist_at >= 0) & (np.asarray(traj.turn_end) >= 0)
         return (traj.tokens, traj.length, traj.turn_end, jnp.asarray(opt),
-                jnp.asarray(live)), np.where(live, dist_at, -1)
+                jnp.asarray(live)), np.where(live, dist_at, -1), case
 
     def answer_logprobs(params, tokens, length, turn_end):
         valid = jnp.arange(tokens.shape[1])[None] < length[:, None]
@@ -134,7 +166,7 @@ def main(argv=None):
         return optax.apply_updates(params, updates), opt_state, loss
 
     right_fn = jax.jit(lambda params, batch: loss_fn(params, *batch)[1])
-    val, val_dist = levels(0, rollout.VALIDATION, 512, np.random.default_rng(999))
+    val, val_dist, val_case = levels(0, rollout.VALIDATION, 512, np.random.default_rng(999))
     live = val_dist >= 0
     rng, t0, curve = np.random.default_rng(a.seed), time.perf_counter(), []
     for i in range(a.steps + 1):
@@ -147,12 +179,19 @@ def main(argv=None):
                   f"{np.round(per_turn, 2).tolist()} {time.perf_counter() - t0:.0f}s", flush=True)
         if i == a.steps:
             break
-        batch, _ = levels(i * a.batch, rollout.TRAIN, a.batch, rng)
+        batch, _, _ = levels(i * a.batch, rollout.TRAIN, a.batch, rng)
         params, opt_state, _ = train_step(params, opt_state, batch)
 
     by_dist = {int(d): round(float(right[live & (val_dist == d)].mean()), 3)
                for d in sorted(set(val_dist[live].tolist()))}
     print("move accuracy by shortest distance to the goal:", by_dist)
+    blocked = live & (val_case == 1)
+    by_case = {"hole_blocks_diagonal": round(float(right[blocked].mean()), 3),
+               "other": round(float(right[live & ~blocked].mean()), 3),
+               "hole_blocks_diagonal_share": round(float(blocked.sum() / live.sum()), 3)}
+    print("move accuracy where the goal is diagonal and a hole next to the player blocks one "
+          "of the two directions towards it:", by_case["hole_blocks_diagonal"],
+          f"({by_case['hole_blocks_diagonal_share']:.1%} of moves); elsewhere:", by_case["other"])
     ro = rollout.make_rollout(env, tok, cfg, env_groups=128, group_size=1, max_turn=MAX_TURN,
                               max_new_tokens=1, max_context=ctx, thinking=False)
     success = {}
@@ -160,8 +199,9 @@ def main(argv=None):
         runs = [ro.run(params, jax.random.key(12345), jnp.int32(i * 128), jnp.float32(temp),
                        jnp.int32(rollout.VALIDATION))[0].success for i in range(4)]
         success[str(temp)] = round(float(np.concatenate([np.asarray(r) for r in runs]).mean()), 3)
-    print(json.dumps(dict(theta=a.theta, layers=a.layers, hidden=a.hidden, steps=a.steps,
-                          curve=curve, accuracy_by_distance=by_dist,
+    print(json.dumps(dict(run=a.run, theta=cfg.rope_theta, layers=cfg.num_layers,
+                          hidden=cfg.hidden_size, steps=a.steps,
+                          curve=curve, accuracy_by_distance=by_dist, accuracy_by_case=by_case,
                           rollout_success_by_temperature=success)))
 
 

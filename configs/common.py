@@ -88,9 +88,9 @@ def base(env: str, **env_options) -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=0,
         enable_think=True,  # prime replies with <think> (else <answer>)
-        # decode attention reads only the part of the context the turn can reach: one of this
-        # many windows (one decode loop compiled for each; 1 = always all of max_context).
-        # Same samples, less work in early turns.
+        # a turn's attention (the observation's append and the decode) reads only the part of
+        # the context the turn can reach: one of this many windows (an append and a decode loop
+        # compiled for each; 1 = always all of max_context). Same samples, less work early on.
         decode_windows=4,
     ))
 

@@ -191,9 +191,10 @@ class Sampler:
     # float32 accumulation are fastest); decoding (one token per row: bandwidth-bound) uses
     # cfg.dtype. None: cfg.dtype for both.
     prefill_dtype: str | None = None
-    # decode attention reads only a window of the cache: the smallest of `decode_windows`
-    # evenly spaced cut points (rounded up to 64 slots) that holds every live row's history
-    # plus this turn's reply. One decode loop is compiled per window; 1 = always the whole cache.
+    # a turn (the chunk's append and the decode loop) reads only a window of the cache: the
+    # smallest of `decode_windows` evenly spaced cut points (rounded up to 64 slots) that holds
+    # every row's history plus its chunk and, for a live row, this turn's reply. One append and
+    # one decode loop are compiled per window; 1 = always the whole cache.
     decode_windows: int = 1
 
     def turn(self, params, state: SamplerState, chunk, chunk_valid, key, temperature, active,
@@ -245,8 +246,9 @@ def append(params, cfg: ModelConfig, state: SamplerState, chunk, chunk_valid,
     fresh=True: the state is known to be empty (its first chunk), so the chunk attends to
     itself alone instead of also over every (empty) cache slot."""
     B, C = chunk.shape
+    # the token buffer may be wider than the cache (a window of it, see `run_turn`)
     slots = jnp.where(chunk_valid, state.cache.end[:, None] + jnp.arange(C)[None, :],
-                      state.cache.max_len)
+                      state.tokens.shape[1])
     tokens = state.tokens.at[jnp.arange(B)[:, None], slots].set(chunk, mode="drop")
     hidden, cache = model_lib.hidden_states(params, cfg, chunk, chunk_valid, state.cache, fresh)
     return hidden, state.replace(cache=cache, tokens=tokens)
@@ -274,15 +276,10 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     # a turn continues from its chunk's last token, so an active row needs a non-empty chunk
     # and room for at least one reply token
     live = active & fits & (span > 0) & (state.cache.end + span < S)
-    hidden, appended = append(pre_params, pre_cfg, state, chunk, write, fresh)
-    tokens_buf = appended.tokens
     # Decode layer by layer on per-layer weight and cache buffers, cut once here: under the
     # layer scan each step would copy every layer's weights and cache block out of the stacked
-    # arrays (see `model.split_layers`). Each layer's cache is cut to the decode window and
-    # written back into the stacked arrays once at the end.
-    params = model_lib.split_layers(params)
-    last = jnp.maximum(span - 1, 0)
-    logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
+    # arrays (see `model.split_layers`).
+    split_params = model_lib.split_layers(params)
     eos = jnp.asarray(s.eos_ids, jnp.int32)
     reason = jnp.where(active & ~live, CONTEXT_FULL, NOT_RUN).astype(jnp.int32)
     tail_width = max([len(x) for x in s.stop] + [1]) + (token_bytes[0].shape[1] if s.stop else 0)
@@ -302,9 +299,9 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
         buf = c["tokens_buf"].at[rows, slot].set(token, mode="drop")
         lp_buf = c["lp_buf"].at[rows, slot].set(logp, mode="drop")
         gen_buf = c["gen_buf"].at[rows, slot].set(True, mode="drop")
-        hidden, cache = model_lib.hidden_states(params, cfg, token[:, None], live[:, None],
-                                                c["cache"])
-        logits = model_lib.head_logits(params, cfg, hidden[:, 0])
+        hidden, cache = model_lib.hidden_states(split_params, cfg, token[:, None],
+                                                live[:, None], c["cache"])
+        logits = model_lib.head_logits(split_params, cfg, hidden[:, 0])
 
         stopped = jnp.where(jnp.isin(token, eos), EOS, 0)
         tail = c["tail"]
@@ -322,38 +319,50 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
                     length=c["length"] + live, out_tokens=out_tokens, out_logp=out_logp,
                     tokens_buf=buf, lp_buf=lp_buf, gen_buf=gen_buf, tail=tail)
 
-    init = dict(step=jnp.int32(0), key=key, logits=logits, live=live, reason=reason,
-                length=jnp.zeros((B,), jnp.int32),
-                out_tokens=jnp.full((B, N), s.pad_id, jnp.int32),
-                out_logp=jnp.zeros((B, N), jnp.float32), tokens_buf=tokens_buf,
-                lp_buf=state.logprobs, gen_buf=state.generated,
-                tail=jnp.zeros((B, tail_width), jnp.uint8))
-    full = appended.cache
+    full = state.cache
     L = full.k.shape[0]
 
-    def decode(W):
-        def run(init):
-            win = full.replace(k=tuple(full.k[i, :, :, :W] for i in range(L)),
-                               v=tuple(full.v[i, :, :, :W] for i in range(L)),
-                               valid=full.valid[:, :W])
-            c = jax.lax.while_loop(cond, body, {**init, "cache": win})
+    def turn_in(W):
+        """The turn on the first W cache slots: the chunk is appended there, attending over
+        those slots only, then each layer's window is cut out for the decode loop and written
+        back into the stacked buffers once at the end."""
+        def run(_):
+            win = full if W == S else full.replace(
+                k=full.k[:, :, :, :W], v=full.v[:, :, :, :W], valid=full.valid[:, :W])
+            hidden, appended = append(pre_params, pre_cfg, state.replace(cache=win), chunk,
+                                      write, fresh)
+            last = jnp.maximum(span - 1, 0)
+            logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
+            w = appended.cache
+            init = dict(step=jnp.int32(0), key=key, logits=logits, live=live, reason=reason,
+                        length=jnp.zeros((B,), jnp.int32),
+                        out_tokens=jnp.full((B, N), s.pad_id, jnp.int32),
+                        out_logp=jnp.zeros((B, N), jnp.float32), tokens_buf=appended.tokens,
+                        lp_buf=state.logprobs, gen_buf=state.generated,
+                        tail=jnp.zeros((B, tail_width), jnp.uint8),
+                        cache=w.replace(k=tuple(w.k[i] for i in range(L)),
+                                        v=tuple(w.v[i] for i in range(L))))
+            c = jax.lax.while_loop(cond, body, init)
+            # written back in place: a window is a copy, the whole cache's append wrote in place
+            base = appended.cache if W == S else full
             w = c["cache"]
-            k, v = full.k, full.v
-            for i in range(L):  # in place: the stacked buffers are dead after this
+            k, v = base.k, base.v
+            for i in range(L):
                 k = jax.lax.dynamic_update_slice(k, w.k[i][None], (i, 0, 0, 0, 0))
                 v = jax.lax.dynamic_update_slice(v, w.v[i][None], (i, 0, 0, 0, 0))
             cache = w.replace(k=k, v=v, valid=jax.lax.dynamic_update_slice(
-                full.valid, w.valid, (0, 0)))
+                base.valid, w.valid, (0, 0)))
             return {**c, "cache": cache}
         return run
 
     windows = window_sizes(S, s.decode_windows)
     if len(windows) == 1:
-        c = decode(S)(init)
-    else:  # every live row's history plus a full reply must fit in the window
-        need = jnp.max(jnp.where(live, full.end + N, 0))
-        c = jax.lax.switch(jnp.sum(jnp.asarray(windows) < need), [decode(W) for W in windows],
-                           init)
+        c = turn_in(S)(None)
+    else:  # every row's chunk, and a live row's whole reply, must fit in the window
+        need = jnp.max(jnp.where(live, state.cache.end + span + N,
+                                 jnp.where(jnp.any(write, axis=1), state.cache.end + span, 0)))
+        c = jax.lax.switch(jnp.sum(jnp.asarray(windows) < need), [turn_in(W) for W in windows],
+                           None)
     new_state = SamplerState(cache=c["cache"], tokens=c["tokens_buf"],
                              logprobs=c["lp_buf"], generated=c["gen_buf"])
     return new_state, Turn(c["out_tokens"], c["out_logp"], c["length"], c["reason"])
