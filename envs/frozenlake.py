@@ -186,6 +186,10 @@ class FrozenLake:
         index = jnp.asarray(index, jnp.int32)
         return jnp.where((index >= 0) & (index < 4), index + 1, 0)
 
+    def symbol_limits(self):
+        """(render codes, most cells showing one of them): the player's cell (P, X or √)."""
+        return (((3, 4, 5), 1),)
+
     def render_codes(self, state):
         """int32[size, size] render codes; `symbols[code]` is the text of each cell."""
         codes = state.grid.astype(jnp.int32)

@@ -271,6 +271,11 @@ class Sokoban:
         index = jnp.asarray(index, jnp.int32)
         return jnp.where((index >= 0) & (index < 4), index + 1, 0)
 
+    def symbol_limits(self):
+        """(render codes, most cells showing one of them): the player's cell (a level read by
+        `from_text` may hold more boxes than `num_boxes`, so boxes are not limited)."""
+        return (((PLAYER, PLAYER_ON_TARGET), 1),)
+
     def render_codes(self, state):
         """int32[dim_x, dim_y] render codes 0..6; `symbols[code]` is each cell's text."""
         room = state.room.astype(jnp.int32)

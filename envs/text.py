@@ -33,6 +33,9 @@ class EnvText:
     prefix:    the fixed text before the first turn (instruction, legend, actions, budget line)
     action_names: names an answer is matched against (case-insensitively)
     max_actions_per_turn / max_actions_per_traj: the reference's budgets for this env
+    limits:    ((piece ids, most slots showing one of them), ...): pieces a state shows in few
+               places (a grid's player, its boxes), for a tight bound on a state's tokens
+               (`max_state_tokens`); () = none
     """
 
     pieces: tuple
@@ -42,6 +45,18 @@ class EnvText:
     action_names: tuple
     max_actions_per_turn: int
     max_actions_per_traj: int
+    limits: tuple = ()
+
+
+def max_state_tokens(text: EnvText, lengths) -> int:
+    """The most tokens a rendered state can take, given each piece's token count `lengths`:
+    each `limits` group fills at most its number of slots (at the longest piece of all), and
+    every other slot shows the longest piece outside those groups."""
+    lengths = [int(n) for n in lengths]
+    limited = {i for ids, _ in text.limits for i in ids}
+    capped = min(sum(n for _, n in text.limits), text.width)
+    free = max((n for i, n in enumerate(lengths) if i not in limited), default=0)
+    return capped * max(lengths) + (text.width - capped) * free
 
 
 def prefix_text(env, max_actions_per_traj: int) -> str:
@@ -70,7 +85,8 @@ def _grid_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
     codes_shape = _render_shape(env)
     width = codes_shape[0] * (codes_shape[1] + 1) - 1
     return EnvText(pieces, width, render, prefix_text(env, max_actions_per_traj),
-                   tuple(env.action_names), max_actions_per_turn, max_actions_per_traj)
+                   tuple(env.action_names), max_actions_per_turn, max_actions_per_traj,
+                   tuple(env.symbol_limits()))
 
 
 def _render_shape(env):

@@ -556,7 +556,7 @@ def _state_pieces(etext, tables: DialogueTables, state):
 def _chunk_width(etext, tables: DialogueTables) -> int:
     """Tokens of the widest observation chunk (the first one or a later one) of an env."""
     ids, maxlen = tables.ids, tables.lengths
-    state_max = etext.width * maxlen[tables.env_offset:].max()
+    state_max = env_text.max_state_tokens(etext, maxlen[tables.env_offset:])
     first = (maxlen[ids["header1"][1]] + state_max + maxlen[ids["left"]].max()
              + maxlen[ids["gen"]])
     close_ids = np.concatenate([[ids["close"]], tables.close_by_eos])

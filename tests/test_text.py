@@ -105,3 +105,29 @@ def test_piecewise_tokenisation_vs_whole_text(smollm2):
     assert report["SimpleSokoban"][0] == 1.0
     assert all(r[1] == 0.0 for r in report.values())  # every other seam tokenises as a whole
     assert report["Bandit"][0] == 0.0
+
+
+@pytest.mark.parametrize("name", ["FrozenLake", "SimpleSokoban", "Bandit"])
+def test_max_state_tokens_bounds_every_state_and_is_tight(name):
+    """The bound on a state's tokens (the observation chunk's width) holds for the levels above
+    with long pieces for the player's symbols and one other symbol, and, hand-derived, lets the
+    player alone take the long piece (the old bound: every slot at the longest piece)."""
+    env = envs.make(name)
+    t = env_text.make_text(env)
+    lengths = [1] * len(t.pieces)
+    long_ones = [len(t.pieces) - 2, 1] if name != "Bandit" else [0]  # a player symbol; another
+    for i in long_ones:
+        lengths[i] = 3
+    bound = env_text.max_state_tokens(t, lengths)
+    for state in _states(env, name):
+        assert sum(lengths[i] for i in np.asarray(t.render(state)) if i >= 0) <= bound
+    if name == "FrozenLake":  # 4x4: 19 slots, the player's at 3 tokens, the rest at 3 (`O`)
+        assert bound == 3 * 19
+        lengths[1] = 1  # only the player's symbols are long: 18 slots of 1 and 3 for the player
+        assert env_text.max_state_tokens(t, lengths) == 18 + 3
+    elif name == "SimpleSokoban":  # 6x6: 41 slots, player on target 3, empty (1) at 3 too
+        assert env_text.max_state_tokens(t, lengths) == 41 * 3
+        lengths[1] = 1
+        assert env_text.max_state_tokens(t, lengths) == 40 + 3
+    else:
+        assert bound == 3
