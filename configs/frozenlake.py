@@ -30,7 +30,7 @@ def get_config(arg=None):
         # Twice the levels per step with the StarPO-S filter keeping the half whose four
         # episodes disagree most (all-fail / all-succeed groups carry no GRPO signal): the
         # update sees 64 rows with signal, in 4 mini-batches.
-        # Rollouts take ~70% of a step; the context is cut to what 5 turns use (195 tokens).
+        # Rollouts take ~65% of a step; the context is cut to what 5 turns use (195 tokens).
         c.rollout.update(dict(env_groups=32, max_context=208))
         c.val.env_groups = 128  # = the training batch: one compiled rollout serves both
         c.algorithm.rollout_filter_ratio = 0.5

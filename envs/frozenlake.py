@@ -27,6 +27,7 @@ FROZEN, HOLE, GOAL = 0, 1, 2
 # Render codes are the map code, plus 3 on the player's cell: 3 player on ice, 4 player in a
 # hole, 5 player on the goal. SYMBOLS[code] is the reference's text for it.
 SYMBOLS = ("_", "O", "G", "P", "X", "√")
+PLAYER = 3  # render code of the player's cell: PLAYER + the cell's own code (P, X or √)
 ACTION_NAMES = ("Left", "Down", "Right", "Up")
 INSTRUCTION = (
     "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move"
@@ -188,13 +189,13 @@ class FrozenLake:
 
     def symbol_limits(self):
         """(render codes, most cells showing one of them): the player's cell (P, X or √)."""
-        return (((3, 4, 5), 1),)
+        return ((tuple(PLAYER + code for code in range(3)), 1),)
 
     def render_codes(self, state):
         """int32[size, size] render codes; `symbols[code]` is the text of each cell."""
         codes = state.grid.astype(jnp.int32)
         r, c = state.pos[0], state.pos[1]
-        return codes.at[r, c].add(3)
+        return codes.at[r, c].add(PLAYER)
 
     def shortest_path(self, state):
         """int32[]: fewest hole-free moves from the player to the goal (-1: no path)."""

@@ -147,14 +147,15 @@ def lr_schedule(lr: float, warmup_steps: int, decay_steps: int = 0, min_ratio: f
     """Linear warm-up to `lr` over `warmup_steps` optimizer updates (the first one uses
     lr / warmup_steps, not 0), then constant, or with `decay_steps` > 0 a cosine decay to
     `min_ratio * lr` over that many updates (then flat there)."""
+    cosine = optax.cosine_decay_schedule(1.0, max(decay_steps, 1), alpha=min_ratio)
+
     def schedule(count):
         count = jnp.asarray(count, jnp.float32)
         x = jnp.float32(lr)
         if warmup_steps > 0:
             x = x * jnp.minimum(1.0, (count + 1.0) / warmup_steps)
         if decay_steps > 0:
-            t = jnp.clip((count - warmup_steps) / decay_steps, 0.0, 1.0)
-            x = x * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + jnp.cos(jnp.pi * t)))
+            x = x * cosine(jnp.maximum(count - warmup_steps, 0.0))
         return x
     return schedule
 
