@@ -84,6 +84,7 @@ def main(argv=None):
                               theta=10000, size=3, seed=0, batch=64, steps=150).items():
         p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--wd", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--eps", type=float, default=0.3)
     p.add_argument("--run", default="",
                    help="a training workdir (or one checkpoint in it) of a FrozenLake run: "
@@ -155,7 +156,7 @@ def main(argv=None):
         w = live.astype(jnp.float32)
         return jnp.sum(loss * w) / jnp.sum(w), right
 
-    tx = optax.adam(a.lr)
+    tx = optax.adamw(a.lr, weight_decay=a.wd)
     params = m.params
     opt_state = tx.init(params)
 
@@ -200,7 +201,7 @@ def main(argv=None):
                        jnp.int32(rollout.VALIDATION))[0].success for i in range(4)]
         success[str(temp)] = round(float(np.concatenate([np.asarray(r) for r in runs]).mean()), 3)
     print(json.dumps(dict(run=a.run, theta=cfg.rope_theta, layers=cfg.num_layers,
-                          hidden=cfg.hidden_size, steps=a.steps,
+                          hidden=cfg.hidden_size, steps=a.steps, wd=a.wd,
                           curve=curve, accuracy_by_distance=by_dist, accuracy_by_case=by_case,
                           rollout_success_by_temperature=success)))
 
