@@ -58,10 +58,10 @@ def render(grid, pos):
 def levels(rng, batch, a):
     """(tokens [B, T], optimal moves [B, 4] bool, hole-blocks-diagonal case [B] bool)."""
     n, template = a.size, list(range(TEMPLATE, TEMPLATE + a.suffix))
+    cells = [(r, c) for r in range(n) for c in range(n)]
     tokens, opt, case = [], [], []
     while len(tokens) < batch:
         grid = (rng.random((n, n)) < 0.2).astype(int)
-        cells = [(r, c) for r in range(n) for c in range(n)]
         goal = cells[rng.integers(len(cells))]
         grid[goal] = 2
         dist = probe.distances(grid, n)
