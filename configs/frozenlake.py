@@ -6,8 +6,9 @@
   thinking. It runs, but SmolLM2-135M almost never writes an action name after `<answer>` (it
   copies the grid: 0 of 32 episodes valid at temperature 1), so there is no reward signal; use
   a larger model (`--config.model.path`) for a FrozenLake run that learns.
-- tiny: a random-init tiny model on a non-slippery 3x3 lake, thinking off; learns the format,
-  then to read the grid, in minutes on CPU (the proof-of-learning test runs its first steps).
+- tiny: a random-init tiny model on a non-slippery 3x3 lake, thinking off, one episode per level
+  with a batch baseline; learns the format, then to read the grid (validation success 0 -> 0.8
+  in ~100 steps), in minutes on CPU (the proof-of-learning test runs its first steps).
 """
 
 from configs import common
@@ -27,16 +28,21 @@ def get_config(arg=None):
         # Llama's 10000 a supervised probe of this tiny model learns the optimal move only
         # after a long plateau, and RL found a mostly grid-blind policy (0.3-0.44).
         c.env.options.update(dict(is_slippery=False, size=3))
-        # Twice the levels per step with the StarPO-S filter keeping the half whose four
-        # episodes disagree most (all-fail / all-succeed groups carry no GRPO signal): the
-        # update sees 64 rows with signal, in 4 mini-batches.
-        # Rollouts take ~65% of a step; the context is cut to what 5 turns use (195 tokens).
-        c.rollout.update(dict(env_groups=32, max_context=208))
+        # One episode on each of 128 levels per step, its reward against the batch's mean and
+        # std (the reference's reward normalisation knobs; `grpo` on groups of one is then
+        # REINFORCE with a batch baseline), not GRPO's four episodes on each of 32 levels. Every failure is then pushed down,
+        # also where all four episodes of a level would have failed alike: a sharpening policy
+        # makes most groups all-fail or all-succeed, which carry no GRPO signal, and GRPO stalled
+        # at 0.73-0.79 for 400 steps with its in-group reward std at 0.002 (val success at step
+        # 150, config seeds 0-3: GRPO 0.78 / 0.75 / 0.26 / 0.34; this 0.83 / 0.86 / 0.84 / 0.75).
+        # Rollouts take ~40% of a step; the context is cut to what 5 turns use (195 tokens).
+        c.rollout.update(dict(env_groups=128, group_size=1, max_context=208))
         c.val.env_groups = 128  # = the training batch: one compiled rollout serves both
-        c.algorithm.rollout_filter_ratio = 0.5
+        c.algorithm.update(dict(rollout_filter_ratio=1.0, reward_norm_grouping="batch",
+                                reward_norm_method="mean_std", ppo_mini_batch_size=32,
+                                micro_batch_size=32))
         # A cosine decay of the learning rate over the run's 150 x 4 updates to a tenth: at a
-        # constant 3e-3 the policy climbs to 0.6-0.75 and then falls back in PPO-KL spikes
-        # (seed 1: 0.66 at step 90, 0.27 at 120).
+        # constant 3e-3 the policy climbs and then falls back in PPO-KL spikes.
         c.algorithm.update(dict(lr_decay_steps=600, min_lr_ratio=0.1))
         c.trainer.total_steps = 150  # ~4 min on one CPU core, compiles included
     c.lock()

@@ -55,7 +55,8 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
     score: f32[B] trajectory rewards, B = G * group_size in group layout.
     Returns (rows int32[K * group_size] in increasing order, metrics) with K = kept_groups(G,
     ratio). Metrics: `rollout/in_group_std` (mean over all groups), `rollout/chosen_in_group_std`
-    (mean over kept groups), `rollout/kept_groups`.
+    (mean over kept groups), `rollout/kept_groups`, and `rollout/batch_std` (unbiased std of the
+    whole batch's rewards: the spread to watch when every group is a single episode).
     """
     B = score.shape[0]
     if B % group_size:
@@ -72,5 +73,6 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
         "rollout/in_group_std": std.mean(),
         "rollout/chosen_in_group_std": std[groups].mean(),
         "rollout/kept_groups": jnp.float32(K),
+        "rollout/batch_std": jnp.std(score, ddof=1) if B > 1 else jnp.float32(0.0),
     }
     return rows.astype(jnp.int32), metrics

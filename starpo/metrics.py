@@ -183,6 +183,19 @@ SUMMARY_KEYS = (
 )
 
 
+def reward_std_name(group_size: int) -> str:
+    """The reward spread the console shows and the collapse detector watches: the in-group std,
+    or the batch's when every group is one episode (a group of one has no spread)."""
+    return "rollout/in_group_std" if group_size > 1 else "rollout/batch_std"
+
+
+def summary_keys(group_size: int) -> tuple:
+    """SUMMARY_KEYS with the reward std of `reward_std_name(group_size)`."""
+    name = reward_std_name(group_size)
+    return tuple((label, name if label == "reward std" else pattern, fmt)
+                 for label, pattern, fmt in SUMMARY_KEYS)
+
+
 def summary_line(step: int, total_steps: int, scalars: dict, keys=SUMMARY_KEYS) -> str:
     """"step 12/200 | success 0.41 | score 0.35 | entropy 1.20 | reward std 0.31 | 3.1 s".
 
@@ -202,8 +215,9 @@ def summary_line(step: int, total_steps: int, scalars: dict, keys=SUMMARY_KEYS) 
 
 # ----------------------------------------------------------------------------- echo trap
 class CollapseDetector:
-    """The paper's 'Echo Trap' early warning: reward std (rollout/in_group_std) and policy
-    entropy (actor/entropy) both fall sharply relative to their recent history.
+    """The paper's 'Echo Trap' early warning: reward std (rollout/in_group_std, or the batch's
+    with one episode per group: `reward_std_name`) and policy entropy (actor/entropy) both fall
+    sharply relative to their recent history.
 
     `update` is True when, with at least `min_history` (capped at `window`) earlier values
     recorded, both current values are below `drop` x the median of the previous `window` values.

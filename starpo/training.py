@@ -516,6 +516,8 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
 
     total, last = config.trainer.total_steps, {}
     v = config.val
+    std_name = metrics_lib.reward_std_name(config.rollout.group_size)
+    keys = metrics_lib.summary_keys(config.rollout.group_size)
 
     def save(step):
         ckpt.save(step, state, {"step": step, "env_seed_counter": step * config.rollout.env_groups,
@@ -526,21 +528,21 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
         if start == 0 and v.before_train:
             last = validate(exp, state.actor_params, writer, 0)
             writer.write(0, last)
-            log(metrics_lib.summary_line(0, total, last))
+            log(metrics_lib.summary_line(0, total, last, keys))
         bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
                    desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
         done_here = 0
         for step in bar:
             state, scalars = train_step(exp, state, step)
             n = step + 1
-            collapse = detector.update(scalars.get("rollout/in_group_std", float("nan")),
+            collapse = detector.update(scalars.get(std_name, float("nan")),
                                        scalars.get("actor/entropy", float("nan")))
             scalars["warning/echo_trap"] = float(collapse)
             if v.test_freq > 0 and n % v.test_freq == 0:
                 scalars.update(validate(exp, state.actor_params, writer, n))
             writer.write(n, scalars)
             last = scalars
-            (bar.write if progress else log)(metrics_lib.summary_line(n, total, scalars))
+            (bar.write if progress else log)(metrics_lib.summary_line(n, total, scalars, keys))
             if collapse:
                 log(f"warning: step {n}: reward std and entropy both fell sharply (Echo Trap); "
                     "consider a lower lr, the StarPO-S filter or a critic")

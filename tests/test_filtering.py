@@ -85,6 +85,15 @@ def test_ratio_one_keeps_everything_in_order():
         float(metrics["rollout/in_group_std"]))
 
 
+def test_single_episode_groups_keep_everything_and_report_the_batch_spread():
+    score = np.random.default_rng(3).normal(size=12).astype(np.float32)
+    rows, metrics = filter_rows(jnp.asarray(score), 1, 1.0, "std")
+    assert np.asarray(rows).tolist() == list(range(12))
+    assert float(metrics["rollout/in_group_std"]) == 0.0  # a group of one has no spread
+    want = np.sqrt(((score - score.mean()) ** 2).sum() / 11)  # the unbiased batch std
+    assert float(metrics["rollout/batch_std"]) == pytest.approx(want, rel=1e-5)
+
+
 def test_nan_group_is_least_wanted_and_std_is_order_free():
     score = np.zeros((6, 4), np.float32)
     score[:, 0] = [1.0, np.nan, 0.5, 0.0, 0.2, 2.0]  # group 1: NaN, never kept first

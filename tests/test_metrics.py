@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from starpo.metrics import (METRICS_FILE, CollapseDetector, MetricsWriter, read_jsonl,
-                            summary_line, truncate_after)
+                            summary_keys, summary_line, truncate_after)
 
 
 def read_events(logdir):
@@ -126,6 +126,9 @@ def test_summary_line():
     assert summary_line(0, 5, two_vals) == (
         "step 0/5 | val success[a] 0.50 | val success[b] nan")
     assert summary_line(1, 5, {"x": 2.0}, keys=(("x", "x", "{:.0f}"),)) == "step 1/5 | x 2"
+    spreads = {"rollout/in_group_std": 0.0, "rollout/batch_std": 0.45}
+    assert summary_line(3, 5, spreads, summary_keys(4)) == "step 3/5 | reward std 0.00"
+    assert summary_line(3, 5, spreads, summary_keys(1)) == "step 3/5 | reward std 0.45"
 
 
 def falling_series(n=30, fall_at=20, seed=0):

@@ -1,9 +1,10 @@
 """Proof that training learns, and that a run survives interruption exactly.
 
 The `tiny` configs train a random-init tiny model from scratch (configs/common.py): the Bandit
-run must learn to pick the high-risk arm, the FrozenLake run (non-slippery, thinking off) to
-reach the goal. Fixed seeds; the assertions are on validation numbers. One built experiment
-per env is shared by every run of this module, so each program compiles once.
+run must learn to pick the high-risk arm (the FrozenLake one: tests/test_training_frozenlake.py,
+its own file so that the test scheduler can run it beside this one). Fixed seeds; the
+assertions are on validation numbers. One built Bandit experiment is shared by every run of
+this module, so each program compiles once.
 """
 
 import json
@@ -17,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import bandit, frozenlake
+from configs import bandit
 from starpo import checkpoint, metrics, training, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,35 +64,6 @@ def test_bandit_learns_the_high_risk_arm(bandit_trained):
     assert first_step == 0 and last_step == bandit.get_config("tiny").trainer.total_steps
     assert first < 0.7, series  # an untrained model does not already prefer the high-risk arm
     assert last >= 0.9, series
-
-
-def test_frozenlake_learns_to_reach_the_goal(tmp_path):
-    """From ~0 to a policy that reads the grid, in the first 80 of the config's 150 steps (the
-    suite's budget: ~1.4 s a step on one core, plus compiles).
-
-    On this 3x3 lake a uniformly random mover scores 0.26 and the best grid-blind move sequence
-    0.36, so validation success >= 0.4 means the model uses the map. With this config and
-    seed, on 128 held-out levels: success 0.00 -> 0.27 (20) -> 0.45 (40) -> 0.50 (80), valid
-    actions 0.06 -> 1.00; the whole 150-step run ends at 0.78 (seed 1: 0.75; a 250-step one at
-    0.77): the issue's 0.8 is not reached, so it is not asserted. Other seeds (config.seed: the
-    sampling and the training levels) may not leave the grid-blind plateau in 150 steps (seeds 2
-    and 3: 0.26 and 0.34), so this asserts what this seed does, not what every seed does.
-    """
-    config = with_changes(frozenlake.get_config("tiny"), trainer__total_steps=80)
-    workdir = str(tmp_path / "run")
-    training.train(config, workdir, progress=False, log=lambda *a: None)
-    series = val_series(workdir, "val/FrozenLake/success")
-    print("val/FrozenLake/success by step:", series)
-    assert series[0][0] == 0 and series[0][1] < 0.05, series
-    assert series[-1][0] == config.trainer.total_steps and series[-1][1] >= 0.4, series
-    valid = val_series(workdir, "val/FrozenLake/action_is_valid")
-    assert valid[0][1] < 0.2 and valid[-1][1] >= 0.9, valid
-    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    # the documented names are there
-    for name in ("train/FrozenLake/success", "train/FrozenLake/pass@4", "actor/entropy",
-                 "actor/pg_loss", "rollout/in_group_std", "timing/rollout",
-                 "perf/rollout_tokens_per_s", "warning/echo_trap", "val/FrozenLake/action_is_valid"):
-        assert any(name in r for r in rows), name
 
 
 def comparable(rows):

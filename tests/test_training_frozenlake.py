@@ -1,0 +1,46 @@
+"""Proof that the tiny FrozenLake run learns to read the map and reach the goal.
+
+`configs/frozenlake.py:tiny`: a random-init 82k-parameter model on a non-slippery 3x3 lake,
+thinking off, one episode on each of 128 levels per step with a batch-normalised reward. On
+this lake a uniformly random mover scores 0.26, the best grid-blind move sequence 0.36 and an
+optimal policy 0.997, so validation success >= 0.8 means the model reads where the player, the
+goal and the holes are.
+"""
+
+import os
+
+from configs import frozenlake
+from starpo import metrics, training
+from tests.test_training import val_series, with_changes
+
+STEPS = 120  # of the config's 150 (the learning rate schedule does not depend on total_steps)
+
+
+def test_frozenlake_learns_to_reach_the_goal(tmp_path):
+    """Validation success (128 held-out levels, temperature 0.5, every 10 steps) rises from ~0
+    to >= 0.8 within 120 steps (~3 min on 2 cores), and stays near it.
+
+    Config seed 0, on this machine (2 cores: XLA's summation order depends on the thread count,
+    and the run amplifies such differences): 0.00 -> 0.27 (20) -> 0.45 (60) -> 0.64 (80) ->
+    0.77 (100) -> 0.80 (110) -> 0.82 (120); valid answers 0.05 -> 1.00 (10). The same seed on
+    one thread: 0.80 (100), 0.82 (110, 120). Other seeds: 0.80 at step 110 and 0.82 at 130
+    (seed 1); on one thread 0.83 / 0.86 / 0.84 / 0.75 at step 150 (seeds 0-3; seed 3 crosses
+    0.8 later than this budget), so this asserts what this seed does, not what every seed does.
+    """
+    config = with_changes(frozenlake.get_config("tiny"), trainer__total_steps=STEPS)
+    workdir = str(tmp_path / "run")
+    training.train(config, workdir, progress=False, log=lambda *a: None)
+    series = val_series(workdir, "val/FrozenLake/success")
+    print("val/FrozenLake/success by step:", series)
+    assert series[0][0] == 0 and series[0][1] < 0.05, series
+    assert series[-1][0] == STEPS, series
+    assert max(x for _, x in series) >= 0.8, series
+    assert series[-1][1] >= 0.75, series  # not a passing spike
+    valid = val_series(workdir, "val/FrozenLake/action_is_valid")
+    assert valid[0][1] < 0.2 and valid[-1][1] >= 0.9, valid
+    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    # the documented names are there
+    for name in ("train/FrozenLake/success", "train/FrozenLake/pass@1", "actor/entropy",
+                 "actor/pg_loss", "rollout/batch_std", "timing/rollout",
+                 "perf/rollout_tokens_per_s", "warning/echo_trap", "val/FrozenLake/action_is_valid"):
+        assert any(name in r for r in rows), name
