@@ -30,11 +30,13 @@ def get_config(arg=None):
         c.env.options.update(dict(is_slippery=False, size=3))
         # One episode on each of 128 levels per step, its reward against the batch's mean and
         # std (the reference's reward normalisation knobs; `grpo` on groups of one is then
-        # REINFORCE with a batch baseline), not GRPO's four episodes on each of 32 levels. Every failure is then pushed down,
-        # also where all four episodes of a level would have failed alike: a sharpening policy
-        # makes most groups all-fail or all-succeed, which carry no GRPO signal, and GRPO stalled
-        # at 0.73-0.79 for 400 steps with its in-group reward std at 0.002 (val success at step
-        # 150, config seeds 0-3: GRPO 0.78 / 0.75 / 0.26 / 0.34; this 0.83 / 0.86 / 0.84 / 0.75).
+        # REINFORCE with a batch baseline), not GRPO's four episodes on each of 32 levels.
+        # Every failure is then pushed down, also where all four episodes of a level would have
+        # failed alike: a sharpening policy makes most groups all-fail or all-succeed, which
+        # carry no GRPO signal, and GRPO stalled at 0.73-0.79 for 400 steps with its in-group
+        # reward std at 0.002 (val success at step 150, config seeds 0-3, one thread: GRPO
+        # 0.78 / 0.75 / 0.26 / 0.34; this 0.83 / 0.86 / 0.84 / 0.75). Half the levels per step
+        # (64), or 8 updates per batch instead of 4, learned more slowly.
         # Rollouts take ~40% of a step; the context is cut to what 5 turns use (195 tokens).
         c.rollout.update(dict(env_groups=128, group_size=1, max_context=208))
         c.val.env_groups = 128  # = the training batch: one compiled rollout serves both

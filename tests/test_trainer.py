@@ -241,7 +241,7 @@ def test_critic_warmup_then_actor_updates(params, traj, ppo_update):
     assert float(m2["rollout/kept_groups"]) == 2
     expected = {
         "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/kept_groups",
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+        "rollout/batch_std", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
         "actor/entropy", "actor/loss", "actor/grad_norm", "actor/lr",
         "actor/sampler_logprob_gap", "actor/sampler_logprob_abs_gap", "actor/online_k",
         "actor/nonfinite_skipped", "trainer/updates_per_batch", "critic/score/mean",
@@ -308,6 +308,27 @@ def test_kl_to_a_reference_in_reward_and_in_loss(params, traj):
     assert float(m["actor/kl_loss"]) == pytest.approx(np.mean(per_row), rel=1e-4)
     assert float(m["actor/loss"]) == pytest.approx(
         float(m["actor/pg_loss"]) + 0.5 * np.mean(per_row), rel=1e-4, abs=1e-6)
+
+
+def test_single_episode_groups_against_the_batch_are_reinforce(params, traj):
+    """group_size 1 with batch mean_std normalisation (configs/frozenlake.py:tiny): every row's
+    advantage is its score whitened over the whole batch (unbiased std), on each of its model
+    tokens; a failure counts also when no other episode of its level exists to compare with."""
+    algo = GRPO.replace(group_size=1, rollout_filter_ratio=1.0, reward_norm_grouping="batch",
+                        reward_norm_method="mean_std", ppo_mini_batch_size=8,
+                        micro_batch_size=8, online_k=1)
+    B = GROUPS * GROUP_SIZE
+    single = traj.replace(group_id=jnp.arange(B, dtype=jnp.int32) * 3 + 1)
+    state = TR.init_train_state(algo, copy(params[0]))
+    batch, metrics = _jit(TR.make_prepare(algo, CFG))(state, single)
+    scores = np.asarray(traj.score, np.float64)
+    want = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
+    mask = np.asarray(batch.loss_mask)
+    assert mask.shape[0] == B and mask.any(1).all()  # nothing filtered
+    np.testing.assert_allclose(np.asarray(batch.advantages)[mask],
+                               np.repeat(want, mask.sum(1)), rtol=1e-4, atol=1e-5)
+    assert float(metrics["rollout/batch_std"]) == pytest.approx(scores.std(ddof=1), rel=1e-5)
+    assert float(metrics["rollout/in_group_std"]) == 0.0
 
 
 # ----------------------------------------------------------------------------- trimming
