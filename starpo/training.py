@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import envs
 from starpo import checkpoint as ckpt_lib
 from starpo import evaluate
+from starpo import filtering
 from starpo import metrics as metrics_lib
 from starpo import model as model_lib
 from starpo import rollout as rollout_lib
@@ -367,7 +368,9 @@ def train_step(exp: Experiment, state, step: int):
     generated = sum(out[f"train/{tag}/generated_tokens"] for tag, _ in exp.mix)
     # real tokens through the update's forward+backward passes: k mini-batches of `mini` of the
     # N kept rows (the old-log-prob forward is in the time, not in the count)
-    N = round(exp.algo.rollout_filter_ratio * c.rollout.env_groups) * c.rollout.group_size
+    # the filter's own count (at least one group), not a second copy of its formula
+    kept = filtering.kept_groups(c.rollout.env_groups, exp.algo.rollout_filter_ratio)
+    N = kept * c.rollout.group_size
     mini, k = trainer_lib.num_updates(exp.algo, N)
     kept_tokens = float(lengths.sum()) * N / traj.tokens.shape[0]
     out.update({
@@ -542,9 +545,11 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
                 scalars.update(validate(exp, state.actor_params, writer, n))
             writer.write(n, scalars)
             last = scalars
-            (bar.write if progress else log)(metrics_lib.summary_line(n, total, scalars, keys))
+            # while the bar is drawn, lines go above it (tqdm.write), never onto its line
+            say = bar.write if progress else log
+            say(metrics_lib.summary_line(n, total, scalars, keys))
             if collapse:
-                log(f"warning: step {n}: reward std and entropy both fell sharply (Echo Trap); "
+                say(f"warning: step {n}: reward std and entropy both fell sharply (Echo Trap); "
                     "consider a lower lr, the StarPO-S filter or a critic")
             done_here += 1
             end = (n == total or stop.requested or (stop_after is not None and done_here >= stop_after)

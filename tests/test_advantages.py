@@ -148,7 +148,7 @@ def test_bi_level_gae_with_zero_reward_turns():
     np.testing.assert_allclose(ret, want_ret, atol=1e-5)
     # the token after a turn end never bootstraps into the previous turn's last token
     e = int(turn_end[0, 0])
-    assert adv[0, e] == pytest.approx(ret[0, e] - values[0, e], abs=1e-5)
+    assert float(adv[0, e]) == pytest.approx(float(ret[0, e] - values[0, e]), abs=1e-5)
 
 
 def test_bi_level_single_turn_reduces_to_gae_with_turn_return():
@@ -182,7 +182,7 @@ def test_grpo_groups(by_std):
     np.testing.assert_allclose(adv[:, 2], want, rtol=1e-5, atol=1e-6)
     assert (np.asarray(adv[:, 0]) == 0).all()
     assert np.asarray(adv)[[1, 4]].max() == 0  # zero-std group: no signal
-    assert adv[3, 1] == pytest.approx(4.0)  # single member: its raw score
+    assert float(adv[3, 1]) == pytest.approx(4.0)  # single member: its raw score
     np.testing.assert_array_equal(adv, ret)
 
 
