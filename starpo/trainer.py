@@ -108,6 +108,10 @@ class AlgoConfig:
         if not 0.0 < self.rollout_filter_ratio <= 1.0:
             raise ValueError(f"rollout_filter_ratio must be in (0, 1], got "
                              f"{self.rollout_filter_ratio}")
+        if not self.temperature > 0.0:  # NaN fails too
+            raise ValueError(f"rollout.temperature must be > 0 for training (the update divides "
+                             f"the logits by it; greedy 0 is for val.temperature), got "
+                             f"{self.temperature}")
         if self.lr_decay_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"lr_decay_steps must be >= 0 and min_lr_ratio in [0, 1], got "
                              f"{self.lr_decay_steps} and {self.min_lr_ratio}")

@@ -472,7 +472,8 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     saved), to test resuming. experiment: a `build(config)` to reuse (tests share compiled
     programs between runs; it must come from an equal config). Returns the last logged scalars.
     """
-    env_mix(config)  # a bad mix fails before anything is written
+    env_mix(config)  # a bad mix or bad algorithm knobs fail before anything is written
+    algo_config(config)
     resuming = check_workdir(workdir, config)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.trainer.keep_checkpoints)

@@ -140,6 +140,7 @@ def run_cli(*args, cwd=ROOT):
     ("--config.rollout.group_size=abc", ["rollout.group_size", "abc"]),
     ("--config.nothing.here=1", ["unknown config key", "nothing.here"]),
     ("--config.env.mix=FrozenLake:30,Bandit:1", ["env.mix", "sum to 31"]),
+    ("--config.rollout.temperature=0", ["rollout.temperature must be > 0"]),
 ])
 def test_bad_override_fails_at_start_naming_the_key(tmp_path, override, words):
     p = run_cli("launch/train.py", "--config=configs/frozenlake.py:tiny", override,
