@@ -51,13 +51,19 @@ def flat(tree):
     return np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
 
 
+def spec_string(sharding) -> str:
+    """`P(...)` of a sharding's spec on every jax version (jax 0.7's repr says PartitionSpec)."""
+    spec = getattr(sharding, "spec", None)
+    return "single" if spec is None else "P" + repr(tuple(spec))
+
+
 def shard_strings(tree, names):
     flat = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
     out = {}
     for path, x in flat.items():
         name = jax.tree_util.keystr(path, simple=True, separator=".")
         if name in names:
-            out[name] = [str(x.sharding.spec) if hasattr(x.sharding, "spec") else "single",
+            out[name] = [spec_string(x.sharding),
                          list(x.addressable_shards[0].data.shape)]
     return out
 
@@ -83,7 +89,7 @@ def run(name, mesh, results, placements, ckpt_dir=None):
 
     smp = S.make_sampler(CFG, type("Tok", (), {"eos_ids": (5,), "pad_id": 0}), max_new_tokens=8)
     state = jax.jit(lambda: S.init_state(CFG, B, CTX), compiler_options=FAST)()
-    placements[f"{name}/cache.k"] = str(getattr(state.cache.k.sharding, "spec", "single"))
+    placements[f"{name}/cache.k"] = spec_string(state.cache.k.sharding)
     state, turn = smp.turn(actor, state, chunk, chunk_valid, jax.random.key(3), 1.0,
                            jnp.ones(B, bool))
     for field in ("tokens", "logprobs", "length", "stop_reason"):
