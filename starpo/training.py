@@ -67,7 +67,9 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
               "model.attention": "auto", "mesh.coordinator_address": "",
-              "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300}
+              "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
+              "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
+              "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10}
 
 
 # ----------------------------------------------------------------------------- config
@@ -511,11 +513,36 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     t_build = time.perf_counter()
     exp = experiment or build(config)
     memory_plan(exp, log)  # a run that cannot fit stops here, before any step
+    phase = None
+    if config.sft.steps > 0:  # its demonstrations' replies must fit, before anything is written
+        from starpo import sft
+
+        phase = sft.build(config, exp)
+        check_workdir(os.path.join(workdir, "sft"), config)
     os.makedirs(workdir, exist_ok=True)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.trainer.keep_checkpoints)
     with jax.set_mesh(exp.mesh):  # programs trace with the mesh's activation shardings
+        if phase is not None and ckpt.latest_step() is None:
+            params = sft.run(config, os.path.join(workdir, "sft"), exp, phase,
+                             progress=progress, log=log, stop_after=stop_after)
+            if params is None:  # interrupted: the same command resumes the SFT phase
+                ckpt.close()
+                return {}
+            exp = with_actor(exp, params)
+            t_build = time.perf_counter()
         return _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, log)
+
+
+def with_actor(exp: Experiment, params) -> Experiment:
+    """`exp` starting from the actor weights `params` (an SFT phase's): the critic, where it is
+    a copy of the actor, copies these too."""
+    policy = dataclasses.replace(exp.policy, params=params, source=f"{exp.policy.source}+sft")
+    critic = exp.critic_params
+    if exp.algo.uses_critic and not exp.config.model.critic_path:
+        critic = sharding.put(critic_params_from(exp.config, policy)[1],
+                              exp.state_shardings.critic_params)
+    return dataclasses.replace(exp, policy=policy, critic_params=critic)
 
 
 def memory_plan(exp: Experiment, log=print) -> list:
