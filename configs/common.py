@@ -109,6 +109,9 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # written-out backwards), "cudnn" flash attention on NVIDIA GPUs where it takes the
         # model, else "xla" (jax.nn.dot_product_attention, scores recomputed in the backward)
         attention="auto",  # auto | cpu | xla | cudnn
+        # a run's workdir (or one checkpoint in it) of the same model.path: the actor starts
+        # from its latest (or that) checkpoint's weights, e.g. an SFT run of launch/sft.py
+        init_from="",
     ))
 
     # The device mesh (starpo/sharding.py): batch rows split over data x fsdp, weights and

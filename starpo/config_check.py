@@ -123,6 +123,8 @@ def check(config) -> None:
            config.mesh.num_processes, config.mesh.process_id, config.mesh.init_timeout_s)
 
     _guard("model.path", weights.model_kind, config.model.path)
+    if config.model.init_from:
+        _guard("model.init_from", training.init_source, config)
     if config.model.critic_path:
         _guard("model.critic_path", weights.model_kind, config.model.critic_path)
     _guard("env.options", lambda: envs.make(config.env.name, **config.env.options.to_dict()))

@@ -17,7 +17,7 @@ import pytest
 
 import envs
 from configs import frozenlake
-from starpo import config_check, demos, metrics, rollout, sft, training
+from starpo import checkpoint, config_check, demos, metrics, rollout, sft, training
 from tests.test_training import with_changes
 
 LAKE_MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
@@ -172,10 +172,24 @@ def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path):
     rl_first = metrics.read_jsonl(os.path.join(resumed, "metrics.jsonl"))[0]
     for name in ("val/FrozenLake/success", "val/FrozenLake/action_is_valid"):
         assert rl_first[name] == sft_last[name], name
+    # model.init_from: another run starts from the SFT run's last weights
+    later = with_changes(config, sft__steps=0, model__init_from=straight)
+    config_check.check(later)
+    got = training.load_policy(later).params
+    want = checkpoint.load_params(os.path.join(straight, "checkpoints"), 24)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
 
 
-def test_bad_sft_configs_fail_at_start(lake):
+def test_bad_sft_configs_fail_at_start(lake, tmp_path):
     config, _ = lake
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.json").write_text(training.config_json(with_changes(
+        config, model__path="tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64")))
+    with pytest.raises(config_check.ConfigError, match="holds a run of model 'tiny:layers=1"):
+        config_check.check(with_changes(config, model__init_from=str(other)))
+    with pytest.raises(config_check.ConfigError, match="model.init_from: .* is not a training"):
+        config_check.check(with_changes(config, model__init_from=str(tmp_path / "none")))
     bad = [
         (dict(sft__steps=1, sft__env_groups=48), "sft.env_groups 48 is not a multiple"),
         (dict(sft__steps=1, sft__lr=0.0), "sft.lr must be"),
