@@ -16,15 +16,14 @@ resumed from the state it led to.
   "any action of maximal value" is not enough: on a hole-free lake every action has value 1
   and always pressing Left never arrives. Among the actions of maximal value (within a
   relative 1e-5) the policy takes the fastest, the best success discounted by 0.9 per move
-  (a tie-break only; on 100 generated 4x4 lakes it lifts the success within the 10-move
-  budget of a trajectory from 0.38
-  to 0.47, where the best 10-move policy has 0.48), then one with a successor closest to the
-  goal in the graph of maximal actions (a rank: goal 0, a cell k + 1 when one of its maximal
-  actions can slip onto a cell of rank k). Any choice among the maximal actions that keeps
-  the goal reachable is an optimal stationary policy (the standard argument for maximal
-  reachability); n = 1 iff the cell has a rank (value > 0). One move per call: after a slip
-  the next call plans afresh. (On lakes so large that a discounted value underflows float32
-  the rank alone decides.)
+  (a tie-break only; on 100 generated 4x4 lakes it lifts the success within a trajectory's
+  10-move budget from 0.38 to 0.47, the best 10-move policy having 0.48), then one with a
+  successor closest to the goal in the graph of maximal actions (a rank: goal 0, a cell
+  k + 1 when one of its maximal actions can slip onto a cell of rank k). Any choice among
+  the maximal actions that keeps the goal reachable is an optimal stationary policy (the
+  standard argument for maximal reachability); n = 1 iff the cell has a rank (value > 0).
+  One move per call: after a slip the next call plans afresh. (On lakes so large that a
+  discounted value underflows float32 the rank alone decides.)
 - Sokoban with one box: dense dynamic programming over (player cell, box cell): the fewest
   moves to put the box on a target by backward Bellman rounds with `step`'s exact walk and push
   rules, followed greedily for up to `max_moves` moves. Levels with more boxes have no solver
@@ -149,8 +148,10 @@ def _lake_plan(env, grid):
     allowed = _near_max(q)
     # Among those, the fastest: the best discounted success (a tie-break only: any choice
     # among the maximal actions that keeps the goal reachable is optimal).
-    fast = jax.lax.fori_loop(0, 4 * nn + 100, lambda _, w: jnp.where(
-        frozen, jnp.where(allowed, _DISCOUNT * q_values(w), 0).max(-1), w), goal.astype(jnp.float32))
+    def discounted(_, w):
+        return jnp.where(frozen, jnp.where(allowed, _DISCOUNT * q_values(w), 0).max(-1), w)
+
+    fast = jax.lax.fori_loop(0, 4 * nn + 100, discounted, goal.astype(jnp.float32))
     fastest = allowed & _near_max(jnp.where(allowed, q_values(fast), -1.0))
     return jnp.where(frozen, q.max(-1), value), rounds(allowed), fastest
 
