@@ -100,7 +100,7 @@ def every_cell(states, size):
 # ------------------------------------------------------------------ FrozenLake, not slippery
 
 
-@pytest.mark.parametrize("size,levels", [(3, 200), (4, 200), (6, 60)])
+@pytest.mark.parametrize("size,levels", [(3, 200), (4, 200), (5, 40)])
 def test_lake_shortest_plans_match_bfs_and_reach_the_goal(size, levels):
     """From every cell of generated non-slippery lakes (the tiny config is 3x3): n is the BFS
     distance (0 when unreachable, in a hole or on the goal), the first move is the first action
@@ -156,11 +156,11 @@ def test_lake_without_a_path_or_done_has_no_plan():
 # ------------------------------------------------------------------ FrozenLake, slippery
 
 
-@pytest.mark.parametrize("size,levels", [(4, 100), (5, 20)])
-def test_slippery_values_and_policy_are_optimal(size, levels):
+def test_slippery_values_and_policy_are_optimal():
     """Every cell of generated slippery lakes (the paper's 4x4): solver_success equals NumPy's
     maximal reach probability, and the solver's stationary policy (one move, n = 1 iff the value
     is > 0) achieves it: its own exact value is the same."""
+    size, levels = 4, 100
     env = envs.make("FrozenLake", size=size, is_slippery=True)
     starts = vmapped(env.reset)(jax.random.split(jax.random.key(10 + size), levels))
     states = every_cell(starts, size)
@@ -184,7 +184,7 @@ def test_slippery_values_and_policy_are_optimal(size, levels):
         quickest.append(lake_values(grid, steps=10)[start])
     assert fractional > 0  # the checks saw cells where slipping matters
     # The discounted tie-break is fast too: within a trajectory's 10 moves it succeeds nearly
-    # as often as the best 10-move policy (4x4: 0.47 vs 0.48; by rank alone 0.38).
+    # as often as the best 10-move policy (0.508 vs 0.510 here; by rank alone 0.395).
     assert np.mean(quick) > 0.9 * np.mean(quickest), (np.mean(quick), np.mean(quickest))
 
 
