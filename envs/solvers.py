@@ -26,14 +26,17 @@ resumed from the state it led to.
   discounted value underflows float32 the rank alone decides.)
 - Sokoban with one box: dense dynamic programming over (player cell, box cell): the fewest
   moves to put the box on a target by backward Bellman rounds with `step`'s exact walk and push
-  rules, followed greedily for up to `max_moves` moves. Levels with more boxes have no solver
-  (the state space grows as cells ** (boxes + 1)).
+  rules, followed greedily for up to `max_moves` moves. Two boxes: the same over (player, box,
+  box) on the interior cells (36 ** 3 states for LargerSokoban's 8x8 rooms); more boxes have
+  no solver (the states grow as cells ** (boxes + 1)).
 - Bandit: the high-risk arm (mean 0.25 against 0.1, and the env's success), one move.
 
 Remaining ties go to the first action in `action_names` order (FrozenLake Left, Down, Right,
 Up; Sokoban Up, Down, Left, Right): among the moves one step closer to the goal (slippery
 lake: among the fastest maximal actions with the closest-ranked successor).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +46,19 @@ from envs import bandit, frozenlake, sokoban
 
 # Relative slack under which a slippery-lake action counts as maximal (float32 rounding).
 _VALUE_SLACK = 1e-5
+# Most (player, boxes) states of the dense Sokoban DP (two boxes: interior cells ** 3; 8x8
+# rooms have 36 ** 3 = 46656, 10x10 ones 262144).
+_MAX_SOKOBAN_STATES = 300_000
 # Per-move discount of the slippery lake's tie-break among maximal-probability actions.
 _DISCOUNT = 0.9
 
 
 def has_solver(env) -> bool:
-    """Whether `next_moves` supports `env`: every FrozenLake and Bandit, Sokoban with one box."""
+    """Whether `next_moves` supports `env`: every FrozenLake and Bandit, Sokoban with one box,
+    and with two when (interior cells) ** 3 <= _MAX_SOKOBAN_STATES (rooms up to 10x10)."""
     if isinstance(env, sokoban.Sokoban):
-        return env.num_boxes == 1
+        return env.num_boxes == 1 or (
+            env.num_boxes == 2 and ((env.dim_x - 2) * (env.dim_y - 2)) ** 3 <= _MAX_SOKOBAN_STATES)
     return isinstance(env, (frozenlake.FrozenLake, bandit.Bandit))
 
 
@@ -64,7 +72,8 @@ def next_moves(env, state, max_moves: int):
     if not isinstance(max_moves, int) or max_moves < 1:
         raise ValueError(f"max_moves must be an int >= 1, got {max_moves!r}")
     if not has_solver(env):
-        raise ValueError(f"no solver for {env.name} ({env!r}): Sokoban needs num_boxes == 1")
+        raise ValueError(f"no solver for {env.name} ({env!r}): Sokoban needs num_boxes <= 2 "
+                         f"(two boxes: at most {_MAX_SOKOBAN_STATES} interior cells ** 3)")
     if isinstance(env, bandit.Bandit):
         names = jnp.zeros(max_moves, jnp.int32).at[0].set(1)  # action_names[1]: the high arm
         return names, (~env.is_done(state)).astype(jnp.int32)
@@ -80,7 +89,8 @@ def solver_success(env, state):
     is (or was) pulled, which the solver always does (its payout is still random: mean 0.25).
     Sokoban counts only plans that fit in the steps left (max_steps - steps)."""
     if not has_solver(env):
-        raise ValueError(f"no solver for {env.name} ({env!r}): Sokoban needs num_boxes == 1")
+        raise ValueError(f"no solver for {env.name} ({env!r}): Sokoban needs num_boxes <= 2 "
+                         f"(two boxes: at most {_MAX_SOKOBAN_STATES} interior cells ** 3)")
     if isinstance(env, bandit.Bandit):
         return (~env.is_done(state) | env._pulled_high(state)).astype(jnp.float32)
     if isinstance(env, frozenlake.FrozenLake):
@@ -187,51 +197,96 @@ def _lake_moves(env, state, max_moves):
 # ------------------------------------------------------------------ Sokoban
 
 
-def _sokoban_field(env, state):
-    """(dist int32[N*N], start int32[], nxt int32[N*N, 4]) over (player, box) = flat p * N + b:
-    fewest moves to the box on a target (N*N + 1: never), the state's own index, and the index
-    each action leads to (itself when nothing moves). Assumes exactly one box: a state with
-    another box count gets dist = never everywhere."""
+def _sokoban_cells(env):
+    """(cells, local, nbr), static: the flat room cells a player or box may stand on (all of
+    them for one box; for two the interior, as generated rooms are walled: 36**3 states on
+    8x8), each room cell's index among them (M = len(cells): not one), and nbr int32[M + 1, 4],
+    the local index of each cell's neighbour per action (M: none; row M is a sink)."""
     h, w = env.dim_x, env.dim_y
-    nn = h * w
-    never = nn * nn + 1
-    rows, cols = np.divmod(np.arange(nn), w)
-    # Static neighbour table per action (Up, Down, Left, Right): flat cell, or -1 off the room.
-    nbr = np.full((nn, 4), -1, np.int32)
+    rows, cols = np.divmod(np.arange(h * w), w)
+    inner = (rows > 0) & (rows < h - 1) & (cols > 0) & (cols < w - 1)
+    cells = np.flatnonzero(inner | (env.num_boxes == 1))
+    m = len(cells)
+    local = np.full(h * w, m, np.int32)
+    local[cells] = np.arange(m)
+    nbr = np.full((m + 1, 4), m, np.int32)
     for a, (dr, dc) in enumerate(sokoban._DELTAS):
-        r, c = rows + dr, cols + dc
+        r, c = rows[cells] + dr, cols[cells] + dc
         inside = (r >= 0) & (r < h) & (c >= 0) & (c < w)
-        nbr[inside, a] = (r * w + c)[inside]
-    nbr = jnp.asarray(nbr)
+        nbr[:m][inside, a] = local[(r * w + c)[inside]]
+    return cells, local, nbr
+
+
+def _sokoban_field(env, state):
+    """(dist int32[M**(k+1)], start int32[], nxt int32[M**(k+1), 4]) over the states (player,
+    box 1, .., box k) of k = num_boxes boxes on M cells (flat, player most significant):
+    fewest moves to every box on a target (never: M**(k+1) + 1), the state's own index, and the
+    index each action leads to (itself when nothing moves). Boxes are ordered, so each
+    arrangement appears k! times. Rounds stop once the state's own distance is final (after r
+    rounds every distance <= r is), so only distances below it are exact, all a plan needs. A
+    state this cannot hold (another box count; two boxes and floor on the border) never solves.
+    """
+    k = env.num_boxes
+    cells, local, nbr = _sokoban_cells(env)
+    m = len(cells)
+    never = m ** (k + 1) + 1
     room = state.room.reshape(-1)
-    open_ = jnp.append(room != sokoban.WALL, False)  # index -1: off the room, closed
-    p = jnp.arange(nn)[:, None, None]  # player
-    b = jnp.arange(nn)[None, :, None]  # box
-    one = nbr[p[..., 0]]  # [N, 1, 4]: the cell the player walks into
-    two = nbr[b[..., 0]]  # [1, N, 4]: where the box goes if pushed from behind
-    walk = open_[one] & (one != b)
-    push = (one == b) & open_[two]
-    nxt = jnp.where(walk, one * nn + b, jnp.where(push, b * nn + two, p * nn + b))  # [N, N, 4]
-    nxt = nxt.reshape(nn * nn, 4)
-    valid = (open_[p[..., 0]] & open_[b[..., 0]] & (p[..., 0] != b[..., 0])).reshape(-1)
-    done = valid & jnp.broadcast_to(room[None, :] == sokoban.TARGET, (nn, nn)).reshape(-1)
-    one_box = jnp.sum(state.boxes) == 1
-    dist0 = jnp.where(done & one_box, 0, never).astype(jnp.int32)
+    open_ = jnp.append(room[cells] != sokoban.WALL, False)  # index m: off the cells, closed
+    target = room[cells] == sokoban.TARGET
+    nbr = jnp.asarray(nbr)
+    # The player, then each box, as an index on its own axis; actions on the last axis.
+    p, *boxes = (jnp.arange(m).reshape([-1 if i == j else 1 for j in range(k + 1)])
+                 for i in range(k + 1))
+    one = nbr[p]  # [.., 4]: the cell the player walks into per action
+    two = nbr[one, jnp.arange(4)]  # and the one beyond, where a box there would go
+    hits = [one == b[..., None] for b in boxes]
+    hit = functools.reduce(jnp.logical_or, hits)
+    beyond_free = functools.reduce(jnp.logical_and, [two != b[..., None] for b in boxes], open_[two])
+    push = hit & beyond_free
+    moved = (open_[one] & ~hit) | push
+    parts = [jnp.where(moved, one, p[..., None])]
+    parts += [jnp.where(h & push, two, b[..., None]) for h, b in zip(hits, boxes)]
+
+    def flat(parts):
+        return sum(x * m ** (k - i) for i, x in enumerate(parts))
+
+    nxt = jnp.broadcast_to(flat(parts), [m] * (k + 1) + [4]).reshape(-1, 4)
+    valid, solved = open_[p], True
+    for i, b in enumerate(boxes):
+        valid = valid & open_[b] & (b != p)
+        for c in boxes[:i]:
+            valid = valid & (b != c)
+        solved = solved & target[b]
+    valid = jnp.broadcast_to(valid, [m] * (k + 1)).reshape(-1)
+    solved = valid & jnp.broadcast_to(solved, [m] * (k + 1)).reshape(-1)
+
+    # The state's own index (0 for a state this cannot hold, whose dist stays never).
+    local = jnp.asarray(local)
+    flat_boxes = state.boxes.reshape(-1)
+    here = [local[state.player[0] * env.dim_y + state.player[1]]]
+    here += [local[c] for c in jnp.nonzero(flat_boxes, size=k, fill_value=0)[0]]
+    ok = jnp.sum(flat_boxes) == k
+    if m < room.shape[0]:  # cells outside the DP must be walls
+        ok = ok & jnp.all(room[jnp.asarray(np.setdiff1d(np.arange(room.shape[0]), cells))] == sokoban.WALL)
+    for x in here:
+        ok = ok & (x < m)
+    start = jnp.where(ok, flat([jnp.minimum(x, m - 1) for x in here]), 0)
+    dist0 = jnp.where(solved & ok, 0, never).astype(jnp.int32)
 
     def rounds(carry):
-        dist, _ = carry
+        i, dist, _ = carry
         new = jnp.where(valid, jnp.minimum(dist, dist[nxt].min(-1) + 1), dist)
-        return new, jnp.any(new != dist)
+        return i + 1, new, jnp.any(new != dist)
 
-    dist, _ = jax.lax.while_loop(lambda c: c[1], rounds, (dist0, jnp.array(True)))
-    box = jnp.argmax(state.boxes.reshape(-1))
-    start = (state.player[0] * w + state.player[1]) * nn + box
+    _, dist, _ = jax.lax.while_loop(
+        lambda c: c[2] & (c[1][start] > c[0]), rounds, (0, dist0, jnp.array(True))
+    )
     return dist, start, nxt
 
 
 def _sokoban_moves(env, state, max_moves):
     dist, start, nxt = _sokoban_field(env, state)
-    never = (env.dim_x * env.dim_y) ** 2 + 1
+    never = len(_sokoban_cells(env)[0]) ** (env.num_boxes + 1) + 1
 
     def walk(idx, _):  # the first action (Up, Down, Left, Right) one move closer
         a = jnp.argmin(dist[nxt[idx]]).astype(jnp.int32)

@@ -84,6 +84,12 @@ plan_of = jax.jit(solvers.next_moves, static_argnums=(0, 2))
 success_of = jax.jit(solvers.solver_success, static_argnums=0)
 
 
+def plan_batch(env, states, max_moves):
+    """(names, n, success) of a batch of states, in one compiled program."""
+    both = vmapped(lambda s: (*solvers.next_moves(env, s, max_moves), solvers.solver_success(env, s)))
+    return both(states)
+
+
 def split(tree, i):
     return jax.tree.map(lambda x: x[i], tree)
 
@@ -109,8 +115,7 @@ def test_lake_shortest_plans_match_bfs_and_reach_the_goal(size, levels):
     starts = vmapped(env.reset)(jax.random.split(jax.random.key(size), levels))
     states = every_cell(starts, size)
     plan = size * size
-    names, n = vmapped(lambda s: solvers.next_moves(env, s, plan))(states)
-    success = vmapped(lambda s: solvers.solver_success(env, s))(states)
+    names, n, success = plan_batch(env, states, plan)
     short = vmapped(lambda s: solvers.next_moves(env, s, 2))(states)
 
     def play(state, moves):
@@ -164,8 +169,7 @@ def test_slippery_values_and_policy_are_optimal():
     env = envs.make("FrozenLake", size=size, is_slippery=True)
     starts = vmapped(env.reset)(jax.random.split(jax.random.key(10 + size), levels))
     states = every_cell(starts, size)
-    names, n = vmapped(lambda s: solvers.next_moves(env, s, 3))(states)
-    value = vmapped(lambda s: solvers.solver_success(env, s))(states)
+    names, n, value = plan_batch(env, states, 3)
     cells = size * size
     names, n = np.asarray(names).reshape(levels, cells, 3), np.asarray(n).reshape(levels, cells)
     value = np.asarray(value).reshape(levels, cells)
@@ -202,14 +206,14 @@ def test_slippery_open_lake_is_solved():
 
 def test_slippery_rollouts_succeed_as_often_as_the_value():
     """Monte Carlo through env.step, re-planning with next_moves after every slip: the success
-    rate over 3000 episodes of 200 steps per level matches solver_success within 4 sigma (plus
+    rate over 2000 episodes of 200 steps per level matches solver_success within 4 sigma (plus
     the exact chance, from NumPy, of still being on the ice after 200 steps)."""
     env = envs.make("FrozenLake", size=4, is_slippery=True)
     starts = vmapped(env.reset)(jax.random.split(jax.random.key(7), 64))
     value = np.asarray(vmapped(lambda s: solvers.solver_success(env, s))(starts))
     pick = np.flatnonzero((value > 0.05) & (value < 0.95))[:4]
     assert len(pick) == 4
-    episodes, horizon = 3000, 200
+    episodes, horizon = 2000, 200
     # The solver's move depends on (map, cell) only: tabulate it per cell for the simulation.
     table = np.asarray(vmapped(lambda s: solvers.next_moves(env, s, 1)[0][0])(
         every_cell(split(starts, pick), 4))).reshape(len(pick), 16)
@@ -237,11 +241,12 @@ def test_slippery_rollouts_succeed_as_often_as_the_value():
 # ------------------------------------------------------------------ Sokoban
 
 
-def test_sokoban_plans_match_bfs_and_solve():
+@pytest.mark.parametrize("name,levels", [("SimpleSokoban", 200), ("LargerSokoban", 40)])
+def test_sokoban_plans_match_bfs_and_solve(name, levels):
     """n equals envs.sokoban.solve's fewest moves and playing the moves solves the level at
-    the last one, on 200 generated SimpleSokoban levels and on states after 6 random moves
-    (some unsolvable). SokobanDifferentGridVocab (other symbols) plans alike."""
-    env, levels = envs.make("SimpleSokoban"), 200
+    the last one, on generated levels (one box; two boxes in 8x8 rooms) and on states after 6
+    random moves (some unsolvable). SokobanDifferentGridVocab (other symbols) plans alike."""
+    env = envs.make(name)
     assert solvers.has_solver(env)
     keys = jax.random.split(jax.random.key(3), levels)
     fresh = vmapped(env.reset)(keys)
@@ -253,8 +258,8 @@ def test_sokoban_plans_match_bfs_and_solve():
     walked = vmapped(wander)(fresh, keys)
     walked = walked.replace(steps=jnp.zeros_like(walked.steps))
     states = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), fresh, walked)
-    names, n = vmapped(lambda s: solvers.next_moves(env, s, env.max_steps))(states)
-    success = np.asarray(vmapped(lambda s: solvers.solver_success(env, s))(states))
+    names, n, success = plan_batch(env, states, env.max_steps)
+    success = np.asarray(success)
 
     def play(state, moves):
         def body(s, a):
@@ -276,6 +281,8 @@ def test_sokoban_plans_match_bfs_and_solve():
         if n[i]:
             assert solved[i, n[i] - 1] and not solved[i, : n[i] - 1].any()
     assert (n[:levels] > 0).all()
+    if name == "LargerSokoban":
+        return
     assert dead > 0  # the random moves pushed some boxes into dead ends
     vocab = envs.make("SokobanDifferentGridVocab")
     other = vmapped(lambda s: solvers.next_moves(vocab, s, vocab.max_steps))(states)
@@ -284,7 +291,8 @@ def test_sokoban_plans_match_bfs_and_solve():
 
 def test_sokoban_limits():
     """Steps left and box counts: a plan longer than the steps left does not count as a
-    success; a done state or one with two boxes has no plan; more boxes have no solver."""
+    success; a done state, or one with two boxes in a one-box env, has no plan; three boxes, or
+    two in a room larger than 10x10, have no solver."""
     env = envs.make("SimpleSokoban")
     state = env.from_text("######\n#P___#\n#__X_#\n#____#\n#___O#\n######")
     names, n = plan_of(env, state, 10)
@@ -304,10 +312,19 @@ def test_sokoban_limits():
     for a in np.asarray(names)[: int(n)]:
         level, _, _, info = step(None, level, wide.name_to_action(level, a))
     assert bool(info["success"])
+    assert solvers.has_solver(envs.make("LargerSokoban", dim_x=10, dim_y=10))
+    # Two boxes: the DP holds the interior only, so floor on the border means no plan.
     larger = envs.make("LargerSokoban")
-    assert not solvers.has_solver(larger)
-    with pytest.raises(ValueError, match="no solver"):
-        solvers.next_moves(larger, state, 4)
+    rows = ["########", "#P_X_O_#", "#__X_O_#", "#______#", "#______#", "#______#", "#______#"]
+    walled = larger.from_text("\n".join(rows + ["########"]))
+    assert envs.solve(walled) == 8 and int(plan_of(larger, walled, 10)[1]) == 8
+    open_border = larger.from_text("\n".join(rows + ["###_####"]))
+    assert envs.solve(open_border) == 8 and int(plan_of(larger, open_border, 10)[1]) == 0
+    for options in ({"num_boxes": 3}, {"dim_x": 12, "dim_y": 12}):
+        larger = envs.make("LargerSokoban", **options)
+        assert not solvers.has_solver(larger)
+        with pytest.raises(ValueError, match="no solver"):
+            solvers.next_moves(larger, state, 4)
 
 
 # ------------------------------------------------------------------ Bandit
