@@ -62,6 +62,14 @@ def has_solver(env) -> bool:
     return isinstance(env, (frozenlake.FrozenLake, bandit.Bandit))
 
 
+def _require_solver(env):
+    if not has_solver(env):
+        detail = (f"num_boxes={env.num_boxes} in a {env.dim_x}x{env.dim_y} room; Sokoban needs one "
+                  f"box, or two with ((dim_x - 2) * (dim_y - 2)) ** 3 <= {_MAX_SOKOBAN_STATES}"
+                  if isinstance(env, sokoban.Sokoban) else f"{type(env).__name__} is not a known env")
+        raise ValueError(f"no solver for {getattr(env, 'name', env)!r}: {detail}")
+
+
 def next_moves(env, state, max_moves: int):
     """(names int32[max_moves], n int32[]): the next moves of `env`'s optimal plan from `state`.
 
@@ -71,9 +79,7 @@ def next_moves(env, state, max_moves: int):
     """
     if not isinstance(max_moves, int) or max_moves < 1:
         raise ValueError(f"max_moves must be an int >= 1, got {max_moves!r}")
-    if not has_solver(env):
-        raise ValueError(f"no solver for {env.name} ({env!r}): Sokoban needs num_boxes <= 2 "
-                         f"(two boxes: at most {_MAX_SOKOBAN_STATES} interior cells ** 3)")
+    _require_solver(env)
     if isinstance(env, bandit.Bandit):
         names = jnp.zeros(max_moves, jnp.int32).at[0].set(1)  # action_names[1]: the high arm
         return names, (~env.is_done(state)).astype(jnp.int32)
@@ -88,9 +94,7 @@ def solver_success(env, state):
     probability of reaching the goal on the slippery lake; for Bandit whether the high-risk arm
     is (or was) pulled, which the solver always does (its payout is still random: mean 0.25).
     Sokoban counts only plans that fit in the steps left (max_steps - steps)."""
-    if not has_solver(env):
-        raise ValueError(f"no solver for {env.name} ({env!r}): Sokoban needs num_boxes <= 2 "
-                         f"(two boxes: at most {_MAX_SOKOBAN_STATES} interior cells ** 3)")
+    _require_solver(env)
     if isinstance(env, bandit.Bandit):
         return (~env.is_done(state) | env._pulled_high(state)).astype(jnp.float32)
     if isinstance(env, frozenlake.FrozenLake):
