@@ -15,10 +15,11 @@ and plain-Python metadata for the text layer: `name`, `action_names`, `instructi
 `jax.vmap` outside the env.
 """
 
-from envs import bandit, frozenlake, sokoban
+from envs import bandit, frozenlake, sokoban, solvers
 from envs.bandit import Bandit, BanditState
 from envs.frozenlake import FrozenLake, FrozenLakeState, shortest_path_length
 from envs.sokoban import Sokoban, SokobanState, solve
+from envs.solvers import has_solver, next_moves, solver_success
 
 # name -> (class, defaults). Options given to `make` override the defaults; generator knobs of
 # the Sokoban variants are tuned so their levels match the reference's difficulty.
@@ -67,8 +68,12 @@ __all__ = [
     "SokobanState",
     "bandit",
     "frozenlake",
+    "has_solver",
     "make",
+    "next_moves",
     "shortest_path_length",
     "sokoban",
     "solve",
+    "solver_success",
+    "solvers",
 ]
