@@ -120,10 +120,8 @@ def solver_policy(env_list, tables, moves: tuple) -> rollout_lib.Policy:
 
 
 def check_solvable(env) -> None:
-    """ValueError (one line) for an env variant without a solver."""
-    if not solvers.has_solver(env):
-        raise ValueError(f"no solver for {env.name} ({type(env).__name__} with these options): "
-                         f"demonstrations need one (envs/solvers.py)")
+    """ValueError (one line, naming why) for an env variant without a solver."""
+    solvers.require_solver(env)
 
 
 @functools.lru_cache(maxsize=8)

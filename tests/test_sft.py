@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import envs
-from configs import frozenlake
+from configs import frozenlake, sokoban
 from starpo import checkpoint, config_check, demos, metrics, rollout, sft, training
 from tests.test_training import with_changes
 
@@ -198,6 +198,9 @@ def test_bad_sft_configs_fail_at_start(lake, tmp_path):
     for changes, message in bad:
         with pytest.raises(config_check.ConfigError, match=message):
             config_check.check(with_changes(config, **changes))
+    three = with_changes(sokoban.get_config("tiny"), sft__steps=1, env__options__num_boxes=3)
+    with pytest.raises(config_check.ConfigError, match="sft: no solver for 'SimpleSokoban'"):
+        config_check.check(three)
     mixed = with_changes(config, sft__steps=1, env__mix="FrozenLake:128")
     with pytest.raises(ValueError, match="sft"):
         config_check.check(mixed)
