@@ -109,6 +109,9 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # written-out backwards), "cudnn" flash attention on NVIDIA GPUs where it takes the
         # model, else "xla" (jax.nn.dot_product_attention, scores recomputed in the backward)
         attention="auto",  # auto | cpu | xla | cudnn
+        # a run's workdir (or one checkpoint in it) of the same model.path: the actor starts
+        # from its latest (or that) checkpoint's weights, e.g. an SFT run of launch/sft.py
+        init_from="",
     ))
 
     # The device mesh (starpo/sharding.py): batch rows split over data x fsdp, weights and
@@ -184,6 +187,21 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
     ))
 
     c.algorithm = ml_collections.ConfigDict(ALGORITHM)
+
+    # Supervised fine-tuning on solver demonstrations (starpo/sft.py): with steps > 0,
+    # launch/train.py first trains on them in <workdir>/sft, then runs RL from those weights;
+    # launch/sft.py runs the SFT phase alone (the paper's SFT baseline)
+    c.sft = ml_collections.ConfigDict(dict(
+        steps=0,  # SFT steps before RL (0 = none)
+        env_groups=32,  # levels per step, each played once by the solver
+        lr=1e-5,  # AdamW (the algorithm's clipping, betas and weight decay), constant after
+        warmup_steps=0,  # ... a linear warm-up over this many steps
+        # moves per demonstration reply (0 = the turn's action budget); the slippery lake
+        # always plays one and re-plans where it slid
+        actions_per_turn=0,
+        test_freq=10,  # validate every test_freq SFT steps and at the end (0 = never)
+        save_freq=10,  # checkpoint every save_freq SFT steps (and at the end)
+    ))
 
     c.trainer = ml_collections.ConfigDict(dict(
         total_steps=200,  # rollout -> update iterations

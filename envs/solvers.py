@@ -62,7 +62,8 @@ def has_solver(env) -> bool:
     return isinstance(env, (frozenlake.FrozenLake, bandit.Bandit))
 
 
-def _require_solver(env):
+def require_solver(env):
+    """ValueError (one line, naming why) where `has_solver(env)` is False."""
     if not has_solver(env):
         detail = (f"num_boxes={env.num_boxes} in a {env.dim_x}x{env.dim_y} room; Sokoban needs one "
                   f"box, or two with ((dim_x - 2) * (dim_y - 2)) ** 3 <= {_MAX_SOKOBAN_STATES}"
@@ -79,7 +80,7 @@ def next_moves(env, state, max_moves: int):
     """
     if not isinstance(max_moves, int) or max_moves < 1:
         raise ValueError(f"max_moves must be an int >= 1, got {max_moves!r}")
-    _require_solver(env)
+    require_solver(env)
     if isinstance(env, bandit.Bandit):
         names = jnp.zeros(max_moves, jnp.int32).at[0].set(1)  # action_names[1]: the high arm
         return names, (~env.is_done(state)).astype(jnp.int32)
@@ -94,7 +95,7 @@ def solver_success(env, state):
     probability of reaching the goal on the slippery lake; for Bandit whether the high-risk arm
     is (or was) pulled, which the solver always does (its payout is still random: mean 0.25).
     Sokoban counts only plans that fit in the steps left (max_steps - steps)."""
-    _require_solver(env)
+    require_solver(env)
     if isinstance(env, bandit.Bandit):
         return (~env.is_done(state) | env._pulled_high(state)).astype(jnp.float32)
     if isinstance(env, frozenlake.FrozenLake):

@@ -87,6 +87,13 @@ RULES = {
     "trainer.log_samples": within(0),
     "trainer.collapse_window": within(1),
     "trainer.context_bucket": within(0, note="0 = always max_context"),
+    "sft.steps": within(0, note="0 = no SFT phase"),
+    "sft.env_groups": within(1),
+    "sft.lr": within(0, lo_open=True),
+    "sft.warmup_steps": within(0),
+    "sft.actions_per_turn": within(0, note="0 = the turn's action budget"),
+    "sft.test_freq": within(0, note="0 = never"),
+    "sft.save_freq": within(0, note="0 = only at the end"),
 }
 
 
@@ -116,6 +123,8 @@ def check(config) -> None:
            config.mesh.num_processes, config.mesh.process_id, config.mesh.init_timeout_s)
 
     _guard("model.path", weights.model_kind, config.model.path)
+    if config.model.init_from:
+        _guard("model.init_from", training.init_source, config)
     if config.model.critic_path:
         _guard("model.critic_path", weights.model_kind, config.model.critic_path)
     _guard("env.options", lambda: envs.make(config.env.name, **config.env.options.to_dict()))
@@ -124,6 +133,11 @@ def check(config) -> None:
     _check_chunks(config)
     algo = _guard("algorithm", training.algo_config, config)
     _check_batches(config, algo)
+    if config.sft.steps > 0:
+        from starpo import sft
+
+        _guard("sft", sft.check, config, envs.make(config.env.name,
+                                                    **config.env.options.to_dict()))
 
 
 def _check_chunks(config) -> None:

@@ -121,6 +121,9 @@ class Policy(NamedTuple):
     # (state, chunk, valid, key, active [B], k) -> (state, Turn): append turn k's observation
     # and reply (rows not active are untouched)
     turn: Callable
+    # True: `turn` also gets the env states (a tuple, one state [B_i] per env variant) as its
+    # last argument, for a policy that reads the level itself (`demos`: a solver's moves)
+    sees_env: bool = False
 
 
 class _Batch(NamedTuple):
@@ -316,7 +319,8 @@ def _policy_step(b: _Batch, policy: Policy, c: EpisodeCarry, k, chunk, valid, ke
     B, N = c.alive.shape[0], b.setup.spec.max_new_tokens
 
     def go(c):
-        return policy.turn(c.policy, chunk, valid, key, c.alive, k)
+        env = (c.env,) if policy.sees_env else ()
+        return policy.turn(c.policy, chunk, valid, key, c.alive, k, *env)
 
     def skip(c):
         return c.policy, _no_turn(B, N)
@@ -736,6 +740,21 @@ def _dialogue_only(spec: RolloutSpec) -> RolloutSpec:
     return RolloutSpec(spec.max_turn, spec.max_new_tokens, spec.max_context, spec.thinking,
                        spec.max_actions_per_turn, spec.max_actions_per_traj,
                        spec.length_in_prompt)
+
+
+def make_policy_rollout(env_list, tokenizer, spec: RolloutSpec, policy: Policy):
+    """The episode loop of a batch of `env_list`'s variants (env i's rows carry tag i) played
+    by a policy over `scripted.ScriptState` (given or computed replies, no model): jitted
+    `play(env_states, key)` -> (Trajectory, metrics, tuple of final env states); group_id is
+    the row index. `demos` plays a solver's moves this way."""
+    setup = _setup(tuple(env_list), tuple(range(len(env_list))), tokenizer, spec)
+
+    def play(env_states, key):
+        B = sum(jax.tree_util.tree_leaves(s)[0].shape[0] for s in env_states)
+        return _play_episodes(setup, policy, scripted.empty_state(B, context_length(setup)),
+                              env_states, jnp.arange(B, dtype=jnp.int32), key)
+
+    return jax.jit(play)
 
 
 @functools.lru_cache(maxsize=8)

@@ -67,7 +67,10 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
               "model.attention": "auto", "mesh.coordinator_address": "",
-              "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300}
+              "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
+              "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
+              "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10,
+              "model.init_from": ""}
 
 
 # ----------------------------------------------------------------------------- config
@@ -155,13 +158,49 @@ def model_dtype(config) -> str:
     return phase_dtypes(config)["decode"]
 
 
-def load_policy(config) -> weights.LoadedModel:
+def load_policy(config, init_from: bool = True) -> weights.LoadedModel:
+    """The config's model; with `init_from` and `model.init_from` set, with that run's actor
+    weights."""
     m = config.model
     kwargs = dict(dtype=model_dtype(config), remat=m.remat,
                   remat_policy=m.get("remat_policy", "full"), attention=m.get("attention", "auto"))
     if m.path == "tiny" or m.path.startswith("tiny:"):
         kwargs["tiny_corpus"], kwargs["tiny_tokenizer"] = tiny_tokenizer_args(config)
-    return weights.load_model(m.path, **kwargs)
+    policy = weights.load_model(m.path, **kwargs)
+    if init_from and m.get("init_from", ""):
+        workdir, step = init_source(config)
+        params = ckpt_lib.load_params(os.path.join(workdir, "checkpoints"), step,
+                                      jax.eval_shape(lambda p: p, policy.params))
+        policy = dataclasses.replace(policy, params=params, source=f"{workdir}@{step}")
+    return policy
+
+
+def init_source(config) -> tuple[str, int]:
+    """(workdir, step) of `model.init_from`: a saved run of the same model.path (and, for a
+    tiny model, the same dialogue: its tokenizer is learned from it). ValueError otherwise."""
+    path = config.model.init_from
+    try:
+        workdir = find_run(path)
+    except FileNotFoundError as e:
+        raise ValueError(f"model.init_from: {e}") from None
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+        saved = config_from_json(f.read())
+    if saved.model.path != config.model.path:
+        raise ValueError(f"model.init_from {path} holds a run of model {saved.model.path!r}, "
+                         f"this config's model.path is {config.model.path!r}")
+    if config.model.path.startswith("tiny") and tiny_tokenizer_args(saved) != tiny_tokenizer_args(
+            config):
+        raise ValueError(f"model.init_from {path}: a tiny model's tokenizer comes from its "
+                         f"run's dialogue, and that run's differs from this one's")
+    base = os.path.basename(os.path.normpath(path))
+    step = int(base) if base.isdigit() else None
+    if step is None:
+        reader = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+        step = reader.latest_step()
+        reader.close()
+    if step is None:
+        raise ValueError(f"model.init_from {path}: the run has no complete checkpoint")
+    return workdir, step
 
 
 def critic_params_from(config, actor: weights.LoadedModel):
@@ -511,11 +550,36 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     t_build = time.perf_counter()
     exp = experiment or build(config)
     memory_plan(exp, log)  # a run that cannot fit stops here, before any step
+    phase = None
+    if config.sft.steps > 0:  # its demonstrations' replies must fit, before anything is written
+        from starpo import sft
+
+        phase = sft.build(config, exp)
+        check_workdir(os.path.join(workdir, "sft"), config)
     os.makedirs(workdir, exist_ok=True)
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.trainer.keep_checkpoints)
     with jax.set_mesh(exp.mesh):  # programs trace with the mesh's activation shardings
+        if phase is not None and ckpt.latest_step() is None:
+            params = sft.run(config, os.path.join(workdir, "sft"), exp, phase,
+                             progress=progress, log=log, stop_after=stop_after)
+            if params is None:  # interrupted: the same command resumes the SFT phase
+                ckpt.close()
+                return {}
+            exp = with_actor(exp, params)
+            t_build = time.perf_counter()
         return _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, log)
+
+
+def with_actor(exp: Experiment, params) -> Experiment:
+    """`exp` starting from the actor weights `params` (an SFT phase's): the critic, where it is
+    a copy of the actor, copies these too."""
+    policy = dataclasses.replace(exp.policy, params=params, source=f"{exp.policy.source}+sft")
+    critic = exp.critic_params
+    if exp.algo.uses_critic and not exp.config.model.critic_path:
+        critic = sharding.put(critic_params_from(exp.config, policy)[1],
+                              exp.state_shardings.critic_params)
+    return dataclasses.replace(exp, policy=policy, critic_params=critic)
 
 
 def memory_plan(exp: Experiment, log=print) -> list:
@@ -671,7 +735,7 @@ def load_run(path: str, step: int | None = None):
         step = int(os.path.basename(os.path.normpath(path)))
     with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
         config = config_from_json(f.read())
-    policy = load_policy(config)
+    policy = load_policy(config, init_from=False)  # its own checkpoint's weights replace them
     directory = os.path.join(workdir, "checkpoints")
     if step is None:
         reader = ckpt_lib.Checkpointer(directory, read_only=True)

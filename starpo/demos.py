@@ -1,0 +1,147 @@
+"""Demonstrations: a solver plays the episode loop in the reference dialogue, token for token as
+the policy would write it (the supervised warm start and the paper's SFT baseline: starpo/sft.py).
+
+Each turn the solver (`envs.solvers.next_moves`) reads the current env state on device and
+plans up to A moves (A = `actions_per_turn`, at most the turn's action budget; the slippery
+lake always plans one, then sees where it slid). The reply is the reference's format:
+
+    thinking off (after `<answer>`):  Down || Left</answer>
+    thinking on  (after `<think>`):   Plan: Down, Left.</think><answer>Down || Left</answer>
+
+Every move sequence of length 1..A has its reply tokenised once on the host (V^1 + .. + V^A
+replies for V action names: 1,365 for Sokoban's 4 names and 5 moves), so a reply is the
+tokeniser's own encoding of its text, and the device only picks a row of that table. The
+replies run through the same episode loop as the model's (`rollout.make_policy_rollout`), so
+the Trajectory is what the sampler would have produced had the model written these replies.
+
+A row whose level the solver cannot solve from the start (solver success 0) is played with a
+placeholder reply and gets weight 0: it never trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from envs import solvers
+from envs import text as env_text
+from starpo import rollout as rollout_lib
+from starpo import scripted
+
+
+def reply_text(names, thinking: bool) -> str:
+    """The demonstration reply that plays the action names `names` (a non-empty sequence)."""
+    answer = " || ".join(names)
+    if thinking:
+        return f"Plan: {', '.join(names)}.</think><answer>{answer}</answer>"
+    return f"{answer}</answer>"
+
+
+def moves_per_turn(env, spec: rollout_lib.RolloutSpec, actions_per_turn: int = 0) -> int:
+    """Most moves a demonstration reply plays: `actions_per_turn`, never more than the turn's
+    action budget; 0 = the budget (1 for the slippery lake: it re-plans after each slide)."""
+    budget = env_text.make_text(env, spec.max_actions_per_turn,
+                                spec.max_actions_per_traj).max_actions_per_turn
+    if getattr(env, "is_slippery", False):
+        return 1
+    return min(actions_per_turn or budget, budget)
+
+
+def _replies(env, tokenizer, spec: rollout_lib.RolloutSpec, n: int):
+    """Host: (texts, ids [R,N+1], len [R], stop [R]) of the replies of every sequence of n
+    moves, name index i of move j weighing V^j (itertools.product varies the last position
+    fastest, so each tuple is reversed)."""
+    names = tuple(env.action_names)
+    texts = [reply_text([names[i] for i in reversed(seq)], spec.thinking)
+             for seq in itertools.product(range(len(names)), repeat=n)]
+    ids, lens, stops = scripted.script_replies(tokenizer, [[t] for t in texts], 1,
+                                               spec.max_new_tokens + 1)
+    return texts, ids[:, 0], lens[:, 0], stops[:, 0]
+
+
+def reply_table(env, tokenizer, spec: rollout_lib.RolloutSpec, moves: int, *,
+                fit: bool = False):
+    """Host: (ids [R,N], len [R], stop [R], moves) of every move sequence's reply, R = 1 + V +
+    .. + V^moves; row 0 a placeholder (the first name alone), then sequences by length
+    (`sequence_row`). A reply longer than rollout.response_length (N) tokens is a ValueError;
+    with `fit`, the table stops at the longest sequences that fit instead (at least one move)."""
+    N = spec.max_new_tokens
+    parts = []
+    for n in range(1, moves + 1):
+        texts, ids, lens, stops = _replies(env, tokenizer, spec, n)
+        if lens.max() > N:
+            if fit and parts:
+                break
+            worst = texts[int(np.argmax(lens))]
+            raise ValueError(f"a demonstration reply of {int(lens.max())} tokens ({worst!r}) "
+                             f"does not fit rollout.response_length={N}; raise it or lower "
+                             f"sft.actions_per_turn")
+        parts.append((ids[:, :N], lens, stops))
+    ids, lens, stops = (np.concatenate([p[i][:1] for p in parts[:1]] + [p[i] for p in parts])
+                        for i in range(3))
+    return ids, lens, stops, len(parts)
+
+
+def sequence_row(names, n, V: int):
+    """Row of `reply_table` for moves names int32[A] (first n used): 0 when n == 0."""
+    A = names.shape[-1]
+    j = jnp.arange(A)
+    code = jnp.sum(jnp.where(j < n, names * V ** j, 0))
+    starts = jnp.asarray([0] + [1 + sum(V ** i for i in range(1, m)) for m in range(1, A + 1)],
+                         jnp.int32)
+    return jnp.where(n > 0, starts[jnp.clip(n, 0, A)] + code, 0).astype(jnp.int32)
+
+
+def solver_policy(env_list, tables, moves: tuple) -> rollout_lib.Policy:
+    """The episode loop's policy (reads the env states) that writes each row's solver reply;
+    `tables[i]` = `reply_table` of env i with `moves[i]` moves."""
+    bases = np.cumsum([0] + [t[0].shape[0] for t in tables])[:-1]
+    N = max(t[0].shape[1] for t in tables)
+    ids = jnp.asarray(np.concatenate([np.pad(t[0], ((0, 0), (0, N - t[0].shape[1])))
+                                      for t in tables]))
+    lens = jnp.asarray(np.concatenate([t[1] for t in tables]))
+    stops = jnp.asarray(np.concatenate([t[2] for t in tables]))
+
+    def turn(state, chunk, valid, key, active, k, env_states):
+        del key, k
+        rows = []
+        for env, s, A, base in zip(env_list, env_states, moves, bases):
+            names, n = jax.vmap(lambda st, env=env, A=A: solvers.next_moves(env, st, A))(s)
+            V = len(env.action_names)
+            rows.append(base + jax.vmap(lambda a, m, V=V: sequence_row(a, m, V))(names, n))
+        r = jnp.concatenate(rows)
+        return scripted.script_turn(state, chunk, valid, active, ids[r], lens[r], stops[r])
+
+    return rollout_lib.Policy(scripted.prefill, turn, sees_env=True)
+
+
+def check_solvable(env) -> None:
+    """ValueError (one line, naming why) for an env variant without a solver."""
+    solvers.require_solver(env)
+
+
+@functools.lru_cache(maxsize=8)
+def make_demo_rollout(env, tokenizer, spec: rollout_lib.RolloutSpec, actions_per_turn: int = 0):
+    """Jitted `play(env_state [B], key)` -> (Trajectory, metrics, weight f32[B]): the solver's
+    episodes of the levels `env_state` in the dialogue of `spec` (its sampling settings do not
+    apply); weight 1 where the solver can solve the level from its start, else 0. Replies play
+    up to `actions_per_turn` moves (0: as many as the turn's budget allows and
+    rollout.response_length fits)."""
+    check_solvable(env)
+    *table, moves = reply_table(env, tokenizer, spec, moves_per_turn(env, spec, actions_per_turn),
+                                fit=not actions_per_turn)
+    play = rollout_lib.make_policy_rollout((env,), tokenizer, spec,
+                                           solver_policy((env,), (table,), (moves,)))
+
+    @jax.jit
+    def run(env_state, key):
+        traj, metrics, _ = play((env_state,), key)
+        weight = (jax.vmap(lambda s: solvers.solver_success(env, s))(env_state) > 0)
+        return traj, metrics, weight.astype(jnp.float32)
+
+    return run
+

@@ -1,0 +1,281 @@
+"""Supervised fine-tuning on solver demonstrations: the warm start before RL, and the paper's
+SFT baseline.
+
+    python launch/sft.py --config=configs/frozenlake.py:cpu --config.sft.steps=60   # SFT alone
+    python launch/train.py --config=...  --config.sft.steps=60   # SFT into <workdir>/sft, then RL
+
+One SFT step: `sft.env_groups` fresh training levels -> the solver plays them in the run's own
+dialogue (`demos.make_demo_rollout`, on device) -> one AdamW update (learning rate `sft.lr`,
+the algorithm's clipping, betas and weight decay) of the mean negative log-likelihood of the
+demonstration's reply tokens (the model's tokens only: prompts and observations are context),
+in micro-batches of `algorithm.micro_batch_size` rows. Levels the solver cannot solve from the
+start have weight 0.
+
+An SFT phase is a run of its own in its workdir (config.json, checkpoints/, metrics.jsonl, tb/),
+so `launch/eval.py` and `launch/chat.py` take it like any run, and an interrupted phase resumes.
+Its validation is the RL run's (`val.*`, sampled by the model), every `sft.test_freq` steps;
+before the first step it also logs `val/<tag>/solver_success`, the solver's own success on the
+same held-out levels through the same dialogue (the ceiling SFT is measured against).
+When `sft.steps > 0`, `training.train` runs the phase in `<workdir>/sft` first and starts RL
+from its weights (the critic, a copy of the actor, from them too); a run whose RL phase has a
+checkpoint skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from starpo import checkpoint as ckpt_lib
+from starpo import demos
+from starpo import evaluate
+from starpo import metrics as metrics_lib
+from starpo import rollout as rollout_lib
+from starpo import sharding
+from starpo import update as update_lib
+from starpo.precision import phase_dtypes
+from starpo.trajectory import trimmed_length
+
+
+def sft_algo(config) -> update_lib.AlgoConfig:
+    """The run's algorithm knobs with SFT's learning rate and warm-up (no critic, no decay)."""
+    from starpo import training
+
+    s = config.sft
+    return training.algo_config(config).replace(
+        adv_estimator="grpo", actor_lr=float(s.lr), warmup_steps=int(s.warmup_steps),
+        lr_decay_steps=0)
+
+
+def check(config, env) -> None:
+    """ValueError (one line) where an SFT phase of `config` cannot run: a batch mixing env
+    variants, an env without a solver, micro-batches not dividing the step's levels."""
+    s = config.sft
+    if config.env.mix:
+        raise ValueError("sft: demonstrations play one env variant; drop env.mix")
+    demos.check_solvable(env)
+    micro = min(config.algorithm.micro_batch_size, s.env_groups)
+    if s.env_groups % micro:
+        raise ValueError(f"sft.env_groups {s.env_groups} is not a multiple of "
+                         f"algorithm.micro_batch_size {micro}")
+
+
+@functools.lru_cache(maxsize=4)
+def make_step(algo: update_lib.AlgoConfig, cfg):
+    """Jitted `step(state, traj, weight)` -> (state, metrics): one AdamW update of the mean
+    NLL of the weighted rows' reply tokens, summed over micro-batches."""
+    tx = update_lib.make_optimizer(algo.actor_lr, algo)
+
+    def nll(params, tokens, valid, mask):
+        logp, _ = update_lib.token_logprobs(params, cfg, tokens, valid, algo.logit_chunk_size)
+        return -jnp.sum(logp * mask)
+
+    def step(state, traj, weight):
+        B, T = traj.tokens.shape
+        valid = jnp.arange(T)[None] < traj.length[:, None]
+        mask = traj.loss_mask.astype(jnp.float32) * weight[:, None]
+        count = jnp.maximum(mask.sum(), 1.0)
+        micro = min(algo.micro_batch_size, B)
+        parts = jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]),
+                                       (traj.tokens, valid, mask))
+
+        def accumulate(carry, xs):
+            grads, total = carry
+            loss, g = jax.value_and_grad(nll)(state.actor_params, *xs)
+            return (jax.tree_util.tree_map(jnp.add, grads, g), total + loss), None
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.actor_params)
+        (grads, total), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)), parts)
+        grads = jax.tree_util.tree_map(lambda g: g / count, grads)
+        updates, opt_state = tx.update(grads, state.actor_opt_state, state.actor_params)
+        params = optax.apply_updates(state.actor_params, updates)
+        state = state.replace(step=state.step + 1, actor_steps=state.actor_steps + 1,
+                              actor_params=params, actor_opt_state=opt_state)
+        return state, {"sft/loss": total / count, "sft/grad_norm": optax.global_norm(grads),
+                       "sft/tokens": mask.sum(), "sft/rows": weight.sum()}
+
+    return jax.jit(step, donate_argnums=0)
+
+
+@dataclasses.dataclass
+class Phase:
+    """What an SFT phase builds once (beside the run's Experiment)."""
+
+    algo: update_lib.AlgoConfig
+    demo: object  # jitted (env_state, key) -> (traj, metrics, weight) of the training env
+    levels: object  # jitted (key, seed) -> (env_state, group_id): sft.env_groups levels
+    step: object
+    shardings: object  # the TrainState's shardings
+    init: object  # jitted params -> TrainState
+
+
+def build(config, exp) -> Phase:
+    """The SFT phase of `config` over `exp` (a `training.build` of it)."""
+    from starpo import training
+
+    check(config, exp.env)
+    algo = sft_algo(config)
+    spec = training.rollout_spec(config)
+    demo = demos.make_demo_rollout(exp.env, exp.policy.tokenizer, spec,
+                                   config.sft.actions_per_turn)
+    G, env = config.sft.env_groups, exp.env
+    levels = jax.jit(lambda key, seed: rollout_lib.initial_states(
+        env, key, seed, rollout_lib.TRAIN, G, 1))
+    cfg = exp.policy.cfg.replace(dtype=phase_dtypes(config)["update"])
+    shardings = update_lib.state_shardings(algo, exp.mesh, exp.policy.cfg)
+    init = jax.jit(lambda actor: update_lib.init_train_state(algo, actor),
+                   out_shardings=shardings)
+    return Phase(algo, demo, levels, make_step(algo, cfg), shardings, init)
+
+
+def solver_success(exp, config) -> dict[str, float]:
+    """val/<tag>/solver_success: the solver's success on each validation set's levels, played
+    through the same dialogue (tags without a solver are left out)."""
+    from starpo import training
+
+    out = {}
+    spec = training.rollout_spec(config)
+    for tag, vs in exp.val_sets.items():
+        try:
+            demo = demos.make_demo_rollout(vs.env, exp.policy.tokenizer, spec,
+                                           config.sft.actions_per_turn)
+        except ValueError:
+            continue
+        traj, m, _ = demo(vs.env_state, jax.random.key(0))
+        out[f"val/{tag}/solver_success"] = evaluate.summarize(traj, m, vs.group_size)["success"]
+    return out
+
+
+def train_step(phase: Phase, exp, state, step: int):
+    """One SFT step on the levels of seeds step * sft.env_groups ..: (state, scalars)."""
+    c = exp.config
+    t0 = time.perf_counter()
+    key = jax.random.fold_in(jax.random.key(c.seed), step)
+    env_state, _ = phase.levels(jax.random.key(c.seed), jnp.int32(step * c.sft.env_groups))
+    traj, m, weight = phase.demo(env_state, key)
+    lengths = sharding.to_host(traj.length)
+    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1], c.trainer.context_bucket)
+    t1 = time.perf_counter()
+    state, um = phase.step(state, traj.truncate(trained), weight)
+    out = {k: float(v) for k, v in sharding.to_host(um).items()}
+    demo_stats = evaluate.summarize(traj, m, 1)
+    out.update({"sft/demo_success": demo_stats["success"],
+                "sft/demo_response_length": demo_stats["response_length"],
+                "timing/demos": t1 - t0, "timing/update": time.perf_counter() - t1,
+                "timing/step": time.perf_counter() - t0,
+                "perf/update_tokens_per_s": float(lengths.sum()) / (time.perf_counter() - t1)})
+    return state, out
+
+
+def summary_line(n: int, total: int, s: dict) -> str:
+    parts = [f"sft {n}/{total}", f"loss {s['sft/loss']:.4f}" if "sft/loss" in s else ""]
+    for k, v in s.items():
+        if k.startswith("val/") and k.split("/")[-1] in ("success", "action_is_valid",
+                                                         "solver_success"):
+            parts.append(f"{k} {v:.3f}")
+    if "timing/step" in s:
+        parts.append(f"{s['timing/step']:.1f} s")
+    return " | ".join(p for p in parts if p)
+
+
+def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=print,
+        stop_after: int | None = None):
+    """Run (or resume, or find finished) the SFT phase `phase` (a `build(config, exp)`) in
+    `workdir`; returns the trained actor params, or None when it was interrupted (checkpoint
+    saved)."""
+    from tqdm import tqdm
+
+    from starpo import training
+
+    total = config.sft.steps
+    lead = jax.process_index() == 0
+    if not lead:
+        log, progress = (lambda *a, **k: None), False
+    resuming = training.check_workdir(workdir, config)
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                 keep=config.trainer.keep_checkpoints)
+    if not resuming and lead:
+        training.write_config(workdir, config)
+    start = 0
+    if resuming and ckpt.latest_step() is not None:
+        target = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(lambda: phase.init(exp.policy.params)), phase.shardings)
+        state, meta = ckpt.restore(None, target)
+        start = int(meta["step"])
+    else:
+        state = phase.init(exp.policy.params)
+    if start >= total:
+        log(f"sft: {workdir} finished ({start} steps)")
+        ckpt.close()
+        return state.actor_params
+    log(f"sft: {total} steps of {config.sft.env_groups} solver demonstrations in {workdir}"
+        + (f" (resuming from step {start})" if start else ""))
+    writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if start else -1) if lead
+              else metrics_lib.NullWriter())
+
+    def save(step):
+        ckpt.save(step, state, {"step": step, "seed": config.seed, "phase": "sft",
+                                "config": json.loads(training.config_json(config))})
+
+    with training._Stop() as stop:
+        if start == 0 and config.val.before_train:
+            scalars = {**solver_success(exp, config),
+                       **training.validate(exp, state.actor_params, writer, 0)}
+            writer.write(0, scalars)
+            log(summary_line(0, total, scalars))
+        bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
+                   desc="sft", unit="step", dynamic_ncols=True, file=sys.stderr)
+        done_here = 0
+        for step in bar:
+            state, scalars = train_step(phase, exp, state, step)
+            n = step + 1
+            f = config.sft.test_freq
+            if (f > 0 and n % f == 0) or (n == total and f > 0):
+                scalars.update(training.validate(exp, state.actor_params, writer, n))
+            writer.write(n, scalars)
+            (bar.write if progress else log)(summary_line(n, total, scalars))
+            done_here += 1
+            end = n == total or stop.requested or (stop_after is not None
+                                                  and done_here >= stop_after)
+            if end or (config.sft.save_freq > 0 and n % config.sft.save_freq == 0):
+                save(n)
+            if end:
+                break
+        bar.close()
+    writer.close()
+    ckpt.close()
+    if stop.requested or training.state_step(state) < total:
+        if stop.requested:
+            log(f"sft: stopped at step {training.state_step(state)}; the same command resumes")
+        return None
+    return state.actor_params
+
+
+def train_only(config, workdir: str, *, progress: bool = True, log=print):
+    """`launch/sft.py`: check, build and run the SFT phase of `config` alone in `workdir`
+    (the paper's SFT baseline; evaluate it with launch/eval.py)."""
+    from starpo import config_check, training
+
+    config_check.check(config)
+    if config.sft.steps <= 0:
+        raise config_check.ConfigError("sft.steps must be > 0 for an SFT run, got "
+                                       f"{config.sft.steps}")
+    training.check_workdir(workdir, config)
+    t0 = time.perf_counter()
+    exp = training.build(config)
+    training.memory_plan(exp, log)
+    phase = build(config, exp)
+    with jax.set_mesh(exp.mesh):
+        if jax.process_index() == 0:
+            training.log_start(exp, time.perf_counter() - t0, log)
+        return run(config, workdir, exp, phase, progress=progress, log=log)

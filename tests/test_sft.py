@@ -1,0 +1,213 @@
+"""Solver demonstrations and the SFT phase (starpo/demos.py, starpo/sft.py).
+
+The demonstrations are checked against slow Python references written here: each reply is
+decoded from the Trajectory's model tokens, its moves replayed on the level's text grid, and
+their count compared with a breadth-first search over the text (FrozenLake) or the env's
+host search (Sokoban). The SFT phase trains the tiny FrozenLake model from scratch: its loss
+must fall and its validation answers turn valid; an interrupted phase resumes exactly; the RL
+run after it starts from its weights.
+"""
+
+import collections
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import envs
+from configs import frozenlake, sokoban
+from starpo import checkpoint, config_check, demos, metrics, rollout, sft, training
+from tests.test_training import with_changes
+
+LAKE_MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
+
+
+def replies(tokenizer, traj, row):
+    """The decoded model text of each turn of episode `row`."""
+    tokens, mask = np.asarray(traj.tokens[row]), np.asarray(traj.loss_mask[row])
+    turn = np.asarray(traj.turn_index[row])
+    return [tokenizer.decode(tokens[mask & (turn == k)].tolist())
+            for k in range(int(turn.max()) + 1) if (mask & (turn == k)).any()]
+
+
+def answer_moves(reply, thinking):
+    """Action names of one reply, lower-case."""
+    text = reply.split("<answer>")[1] if thinking else reply
+    return [m.strip().lower() for m in text.split("</answer>")[0].split("||")]
+
+
+def lake_distance(rows, start):
+    """Fewest hole-free moves from `start` to the goal on the text grid (None: unreachable)."""
+    n = len(rows)
+    seen, queue = {start: 0}, collections.deque([start])
+    while queue:
+        r, c = queue.popleft()
+        if rows[r][c] == "G":
+            return seen[(r, c)]
+        for dr, dc in LAKE_MOVES.values():
+            q = (r + dr, c + dc)
+            if 0 <= q[0] < n and 0 <= q[1] < n and rows[q[0]][q[1]] != "O" and q not in seen:
+                seen[q] = seen[(r, c)] + 1
+                queue.append(q)
+    return None
+
+
+@pytest.fixture(scope="module")
+def lake():
+    config = frozenlake.get_config("tiny")
+    return config, training.load_policy(config)
+
+
+def test_lake_demonstrations_walk_a_shortest_path(lake):
+    """Tiny FrozenLake (3x3, non-slippery, one move per reply, 5 turns): every reply is one
+    move along a shortest hole-free path (the text BFS's distance falls by one each move),
+    and the episode succeeds exactly when that distance is within the 5 turns."""
+    config, policy = lake
+    env = training.make_env(config, config.env.name)
+    spec = training.rollout_spec(config)
+    play = demos.make_demo_rollout(env, policy.tokenizer, spec)
+    states, _ = rollout.initial_states(env, jax.random.key(0), 0, rollout.TRAIN, 96, 1)
+    traj, _, weight = jax.device_get(play(states, jax.random.key(1)))
+    assert weight.min() == 1.0  # the generator only makes solvable lakes
+    checked = 0
+    for row in range(96):
+        rows = env.to_text(jax.tree_util.tree_map(lambda x, row=row: x[row], states)).split("\n")
+        pos = next((r, line.index("P")) for r, line in enumerate(rows) if "P" in line)
+        dist = lake_distance(rows, pos)
+        moves = [m for reply in replies(policy.tokenizer, traj, row)
+                 for m in answer_moves(reply, thinking=False)]
+        assert len(moves) == min(dist, spec.max_turn), (row, rows, moves)
+        for m in moves:
+            pos = (pos[0] + LAKE_MOVES[m][0], pos[1] + LAKE_MOVES[m][1])
+            assert lake_distance(rows, pos) == dist - 1, (row, rows, moves)
+            dist -= 1
+        assert bool(traj.success[row]) == (dist == 0), (row, rows, moves)
+        checked += 1
+    assert checked == 96
+
+
+def sokoban_play(rows, moves):
+    """Replay moves on a Sokoban text grid (the env's push rules); True when every box is on
+    a target."""
+    grid = [list(r) for r in rows]
+    boxes = {(r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch in "X√"}
+    targets = {(r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch in "O√S"}
+    wall = {(r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == "#"}
+    pos = next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch in "PS")
+    step = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+    for m in moves:
+        d = step[m]
+        ahead = (pos[0] + d[0], pos[1] + d[1])
+        if ahead in wall:
+            continue
+        if ahead in boxes:
+            beyond = (ahead[0] + d[0], ahead[1] + d[1])
+            if beyond in wall or beyond in boxes:
+                continue
+            boxes = (boxes - {ahead}) | {beyond}
+        pos = ahead
+    return boxes <= targets
+
+
+def test_sokoban_demonstrations_solve_in_the_fewest_moves(tiny_tokenizer):
+    """SimpleSokoban with thinking on and up to 5 moves per reply (10 per episode): the
+    replies' moves, replayed on the text grid, solve every level whose shortest solution
+    (the env's host search) fits the budget, with exactly that many moves."""
+    env = envs.make("SimpleSokoban")
+    spec = rollout.RolloutSpec(max_turn=3, max_new_tokens=48, max_context=2048)
+    play = demos.make_demo_rollout(env, tiny_tokenizer, spec)
+    states, _ = rollout.initial_states(env, jax.random.key(0), 0, rollout.TRAIN, 24, 1)
+    traj, _, weight = jax.device_get(play(states, jax.random.key(1)))
+    solved = 0
+    for row in range(24):
+        state = jax.tree_util.tree_map(lambda x, row=row: x[row], states)
+        shortest = envs.sokoban.solve(state)
+        texts = replies(tiny_tokenizer, traj, row)
+        assert all(t.startswith("Plan: ") for t in texts), texts
+        moves = [m for t in texts for m in answer_moves(t, thinking=True)]
+        assert weight[row] == float(shortest >= 0)
+        if 0 <= shortest <= 10:
+            assert len(moves) == shortest, (row, texts)
+            assert sokoban_play(env.to_text(state).split("\n"), moves), (row, texts)
+            assert traj.success[row]
+            solved += 1
+    assert solved >= 12  # most levels of the reference's generator are short
+
+
+def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path):
+    """24 SFT steps of 32 demonstrations on the tiny FrozenLake model from scratch: the loss
+    falls by more than half and validation answers go from mostly invalid to valid; a phase
+    stopped at step 10 and resumed logs the same losses as one run straight through; RL then
+    starts from the SFT weights (its step-0 validation equals SFT's last, same levels and
+    key)."""
+    config, policy = lake
+    config = with_changes(config, sft__steps=24, sft__lr=3e-3, sft__test_freq=24,
+                          sft__save_freq=0, trainer__total_steps=0)
+    exp = training.build(config, policy)
+    quiet = lambda *a, **k: None  # noqa: E731
+    straight = str(tmp_path / "straight")
+    with jax.set_mesh(exp.mesh):
+        sft.run(config, straight, exp, sft.build(config, exp), progress=False, log=quiet)
+    resumed = str(tmp_path / "run")
+    training.train(config, resumed, progress=False, experiment=exp, log=quiet, stop_after=10)
+    assert not os.path.exists(os.path.join(resumed, "metrics.jsonl"))  # RL has not started
+    training.train(config, resumed, progress=False, experiment=exp, log=quiet)
+
+    def series(workdir, name):
+        return [(r["step"], r[name]) for r in metrics.read_jsonl(
+            os.path.join(workdir, "metrics.jsonl")) if name in r]
+
+    loss = series(straight, "sft/loss")
+    assert [s for s, _ in loss] == list(range(1, 25))
+    assert loss[-1][1] < 0.5 * loss[0][1], loss
+    again = series(os.path.join(resumed, "sft"), "sft/loss")
+    assert [s for s, _ in again] == list(range(1, 25))
+    assert [x for _, x in again] == pytest.approx([x for _, x in loss], rel=1e-5)
+    valid = series(straight, "val/FrozenLake/action_is_valid")
+    assert valid[0][0] == 0 and valid[0][1] < 0.2, valid
+    assert valid[-1][0] == 24 and valid[-1][1] >= 0.9, valid
+    assert series(straight, "val/FrozenLake/solver_success")[0][1] >= 0.95
+    sft_last = metrics.read_jsonl(os.path.join(resumed, "sft", "metrics.jsonl"))[-1]
+    rl_first = metrics.read_jsonl(os.path.join(resumed, "metrics.jsonl"))[0]
+    for name in ("val/FrozenLake/success", "val/FrozenLake/action_is_valid"):
+        assert rl_first[name] == sft_last[name], name
+    # model.init_from: another run starts from the SFT run's last weights
+    later = with_changes(config, sft__steps=0, model__init_from=straight)
+    config_check.check(later)
+    got = training.load_policy(later).params
+    want = checkpoint.load_params(os.path.join(straight, "checkpoints"), 24)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
+
+
+def test_bad_sft_configs_fail_at_start(lake, tmp_path):
+    config, _ = lake
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.json").write_text(training.config_json(with_changes(
+        config, model__path="tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64")))
+    with pytest.raises(config_check.ConfigError, match="holds a run of model 'tiny:layers=1"):
+        config_check.check(with_changes(config, model__init_from=str(other)))
+    with pytest.raises(config_check.ConfigError, match="model.init_from: .* is not a training"):
+        config_check.check(with_changes(config, model__init_from=str(tmp_path / "none")))
+    bad = [
+        (dict(sft__steps=1, sft__env_groups=48), "sft.env_groups 48 is not a multiple"),
+        (dict(sft__steps=1, sft__lr=0.0), "sft.lr must be"),
+        (dict(sft__steps=-1), "sft.steps must be"),
+    ]
+    for changes, message in bad:
+        with pytest.raises(config_check.ConfigError, match=message):
+            config_check.check(with_changes(config, **changes))
+    three = with_changes(sokoban.get_config("tiny"), sft__steps=1, env__options__num_boxes=3)
+    with pytest.raises(config_check.ConfigError, match="sft: no solver for 'SimpleSokoban'"):
+        config_check.check(three)
+    mixed = with_changes(config, sft__steps=1, env__mix="FrozenLake:128")
+    with pytest.raises(ValueError, match="sft"):
+        config_check.check(mixed)
+    with pytest.raises(config_check.ConfigError, match="sft.steps must be > 0"):
+        sft.train_only(config, "/nonexistent/never-written")
+    # a reply that cannot fit the reply budget: two moves where the tiny config allows one token
+    with pytest.raises(ValueError, match="does not fit rollout.response_length=1"):
+        demos.make_demo_rollout(training.make_env(config, "FrozenLake"),
+                                training.load_policy(config).tokenizer,
+                                training.rollout_spec(config), actions_per_turn=2)
