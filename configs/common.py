@@ -155,6 +155,13 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=0,
         enable_think=True,  # prime replies with <think> (else <answer>)
+        # RAGEN-2's context window: what a turn's reply is conditioned on. "full": the whole
+        # dialogue so far; "limited": the prompt prefix (system prompt and instruction) plus the
+        # last max_context_window turns, the current turn's observation included; "single_turn":
+        # the prefix and the current turn only. An attention mask over the kept KV cache, used
+        # alike by the sampler and the update (trained log-probs are the sampled ones)
+        context_window_mode="full",  # full | limited | single_turn
+        max_context_window=-1,  # turns seen under "limited" (>= 1); -1 = unset (the reference's)
         # a turn's attention (the observation's append and the decode) reads only the part of
         # the context the turn can reach: one of this many windows (an append and a decode loop
         # compiled for each; 1 = always all of max_context). Same samples, less work early on.

@@ -50,6 +50,23 @@ def check_rules(rules: dict, get, key=lambda name: name) -> None:
             raise ConfigError(f"{key(name)} must be {need}, got {value!r}")
 
 
+# rollout.context_window_mode: the whole dialogue, the last max_context_window turns, the current
+CONTEXT_WINDOW_MODES = ("full", "limited", "single_turn")
+
+
+def context_window(mode: str, max_context_window: int) -> int:
+    """The turns a reply sees besides the prompt prefix, its own included (0 = all): the
+    `RolloutSpec.context_window` / `AlgoConfig.context_window` of rollout.context_window_mode
+    and rollout.max_context_window. Raises ConfigError for a mode or window it cannot use."""
+    if mode not in CONTEXT_WINDOW_MODES:
+        raise ConfigError(f"rollout.context_window_mode must be one of "
+                          f"{', '.join(CONTEXT_WINDOW_MODES)}, got {mode!r}")
+    if mode == "limited" and max_context_window < 1:
+        raise ConfigError(f"rollout.max_context_window must be >= 1 under "
+                          f"context_window_mode=limited, got {max_context_window}")
+    return {"full": 0, "single_turn": 1}.get(mode, max_context_window)
+
+
 _MESH_AXIS = (lambda v: v == -1 or v >= 1, ">= 1 or -1 (all the devices the others leave)")
 # key -> rule. The algorithm's knobs are checked by `update.AlgoConfig` (the same way).
 RULES = {
@@ -75,6 +92,8 @@ RULES = {
     "rollout.top_p": within(0, 1, lo_open=True),
     "rollout.top_k": within(0, note="0 = off"),
     "rollout.decode_windows": within(1),
+    "rollout.context_window_mode": one_of(*CONTEXT_WINDOW_MODES),
+    "rollout.max_context_window": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (unset)"),
     "rollout.batch_size": within(0, note="0 = all env_groups x group_size at once"),
     "val.env_groups": within(1),
     "val.group_size": within(1),
@@ -131,6 +150,7 @@ def check(config) -> None:
     _guard("env.mix", training.env_mix, config)
     _guard("val.tags", evaluate.parse_tags, config.val.tags, config.env.name)
     _check_chunks(config)
+    context_window(config.rollout.context_window_mode, config.rollout.max_context_window)
     algo = _guard("algorithm", training.algo_config, config)
     _check_batches(config, algo)
     if config.sft.steps > 0:

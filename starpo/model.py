@@ -13,6 +13,12 @@ Each row writes its chunk of tokens at its own slot offset `end[b]`; rotary posi
 real tokens, so left padding, right padding and per-row appends all give the same numbers as the
 unpadded row alone.
 
+A context window (`TurnWindow`, off unless given) restricts what each token attends to by the
+turn of the dialogue it belongs to: the prompt prefix and the last `size` turns (the current one
+included). It is an attention mask over the same slots and the same rotary positions, applied
+alike by the training forward, the cache append and the decode step, so a token's log-prob in
+training is the one it was sampled with.
+
 Every weight names its logical axes (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`,
 stacked under `layers`); `starpo/sharding.py` maps them onto a device mesh.
 """
@@ -118,6 +124,8 @@ class KVCache:
     valid: [B, S] bool        slot holds a real (non-padding) token
     end:   [B] int32          next slot to write in each row
     pos:   [B] int32          rotary position of the next real token (= real tokens so far)
+    turn:  [B,S] int32 | None the dialogue turn of each slot's token (`TurnWindow`; PREFIX_TURN
+                             for the prompt prefix); None when no context window is used
     """
 
     k: jax.Array
@@ -125,14 +133,17 @@ class KVCache:
     valid: jax.Array
     end: jax.Array
     pos: jax.Array
+    turn: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
         return self.valid.shape[1]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache for `batch` rows of up to `max_len` slots."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
+               turns: bool = False) -> KVCache:
+    """An empty cache for `batch` rows of up to `max_len` slots (turns=True: with the per-slot
+    turn ids a `TurnWindow` needs, PREFIX_TURN until written)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     kv_axes = ("layers", "batch", "kv_heads", "length", "head_dim")
@@ -142,7 +153,31 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
         valid=constrain(jnp.zeros((batch, max_len), bool), ("batch", "length")),
         end=constrain(jnp.zeros((batch,), jnp.int32), ("batch",)),
         pos=constrain(jnp.zeros((batch,), jnp.int32), ("batch",)),
+        turn=(constrain(jnp.full((batch, max_len), PREFIX_TURN, jnp.int32), ("batch", "length"))
+              if turns else None),
     )
+
+
+# ----------------------------------------------------------------------------- context window
+PREFIX_TURN = -1  # the turn id of the prompt prefix (system prompt, instruction): always seen
+
+
+@struct.dataclass
+class TurnWindow:
+    """A context window over dialogue turns: a token of turn q attends only to the prompt
+    prefix (turn id < 0, PREFIX_TURN) and to tokens of turns q-size+1 .. q (causally, as ever).
+    size=1 is the current turn alone. turns [B,T] int32: the turn of each token of the chunk
+    being run (a chunk is one turn in the sampler; a whole dialogue in the training forward).
+    With a cache, the cache's `turn` ids give the slots' turns."""
+
+    turns: jax.Array
+    size: int = struct.field(pytree_node=False)
+
+
+def window_mask(query_turns, key_turns, size: int):
+    """bool [B,T,S]: key s is inside query t's window (query_turns [B,T], key_turns [B,S])."""
+    k = key_turns[:, None, :]
+    return (k < 0) | (k > query_turns[:, :, None] - size)
 
 
 # ----------------------------------------------------------------------------- rotary embedding
@@ -332,19 +367,23 @@ def _attention_blocks(T: int, block: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, min(a + block, T)) for a in range(0, T, block))
 
 
-def _causal_scores(q, k, valid, start, stop, G):
-    """Masked scores of query tokens [start, stop) against keys [0, stop): [B,K,(stop-start)*G,stop]."""
+def _causal_scores(q, k, valid, start, stop, G, turns=None, size=0):
+    """Masked scores of query tokens [start, stop) against keys [0, stop):
+    [B,K,(stop-start)*G,stop]. turns [B,T] (a `TurnWindow` of `size` turns) also masks keys
+    outside each query's window."""
     s = jax.lax.dot_general(q[:, :, start * G:stop * G], k[:, :, :stop],
                             (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
     t = jnp.arange(start, stop, dtype=jnp.int32)
     keys = jnp.arange(stop, dtype=jnp.int32)
     causal = jnp.repeat(t[:, None] >= keys[None, :], G, axis=0)  # [(stop-start)*G, stop]
     mask = causal[None] & valid[:, None, :stop]  # [B, rows, stop]
+    if turns is not None:
+        inside = window_mask(turns[:, start:stop], turns[:, :stop], size)  # [B,stop-start,stop]
+        mask = mask & jnp.repeat(inside, G, axis=1)
     return jnp.where(mask[:, None], s, _MASK_VALUE)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def causal_attention(q, k, v, valid, G: int, block: int):
+def causal_attention(q, k, v, valid, G: int, block: int, turns=None, size: int = 0):
     """Softmax attention of each token over the valid tokens at or before it.
 
     q [B,K,T*G,E] (query head g of kv head k at row t*G + g, already scaled), k and v
@@ -356,15 +395,21 @@ def causal_attention(q, k, v, valid, G: int, block: int):
     with every product keeping (batch, kv head) leading and contracting in place: autodiff of
     the einsum version made XLA:CPU transpose the [B,K,G,T,T] scores and the query layouts.
     A padding query (no visible key) gets a uniform row over its block's keys; nothing reads it.
+    turns [B,T] int32 and size: a `TurnWindow` (keys outside a query's window are masked too).
     """
-    return _causal_attention_fwd(q, k, v, valid, G, block)[0]
+    return _block_attention(q, k, v, valid, turns, G, block, size)
 
 
-def _causal_attention_fwd(q, k, v, valid, G, block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _block_attention(q, k, v, valid, turns, G, block, size):
+    return _causal_attention_fwd(q, k, v, valid, turns, G, block, size)[0]
+
+
+def _causal_attention_fwd(q, k, v, valid, turns, G, block, size):
     T = k.shape[2]
     outs, probs = [], []
     for start, stop in _attention_blocks(T, block):
-        p = jax.nn.softmax(_causal_scores(q, k, valid, start, stop, G), axis=-1)
+        p = jax.nn.softmax(_causal_scores(q, k, valid, start, stop, G, turns, size), axis=-1)
         p = p.astype(v.dtype)
         outs.append(jax.lax.dot_general(p, v[:, :, :stop], (((3,), (2,)), ((0, 1), (0, 1))),
                                         preferred_element_type=jnp.float32))
@@ -373,7 +418,7 @@ def _causal_attention_fwd(q, k, v, valid, G, block):
     return out, (q, k, v, out, tuple(probs))
 
 
-def _causal_attention_bwd(G, block, res, g):
+def _causal_attention_bwd(G, block, size, res, g):
     q, k, v, out, probs = res
     T = k.shape[2]
     dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
@@ -390,10 +435,10 @@ def _causal_attention_bwd(G, block, res, g):
         dk = dk.at[:, :, :stop].add(dot(ds, q[:, :, rows], (((2,), (2,)), bat)))
         dv = dv.at[:, :, :stop].add(dot(p, gb, (((2,), (2,)), bat)))
     dq = jnp.concatenate(dq, axis=2)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+_block_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
 def _dense(features, axes, name, cfg, use_bias=False, in_axes=-1, init_scale=1.0):
@@ -411,13 +456,15 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, chunk_mask, cache_valid, kv, write=None):
+    def __call__(self, x, positions, chunk_mask, cache_valid, kv, window=None, write=None):
         """Attention of a chunk over the cache (read only) and over itself.
 
-        x [B,T,D]; positions [B,T]; chunk_mask [B,T,T] (causal, valid keys); cache_valid [B,S]
-        and kv = (k, v) [B,K,S,E] of the cache, or None. Returns (out [B,T,D], (k, v) of the
-        chunk [B,T,K,E]) -- the caller writes those into the cache in one scatter, so the
-        cache is never copied layer by layer.
+        x [B,T,D]; positions [B,T]; chunk_mask [B,T,T] (causal, valid keys, inside the context
+        window if any); cache_valid [B,S] (or [B,T,S] per query under a context window) and
+        kv = (k, v) [B,K,S,E] of the cache, or None; window: the `TurnWindow` or None (read
+        by the cacheless causal path, whose kernels build their masks themselves). Returns
+        (out [B,T,D], (k, v) of the chunk [B,T,K,E]) -- the caller writes those into the cache
+        in one scatter, so the cache is never copied layer by layer.
 
         write = (rows, slots [B,T], visible [B,T,S] bool), layer by layer (`split_cache`): this
         layer's own cache buffers are updated first -- in place, as nothing reads the old ones
@@ -445,7 +492,7 @@ class Attention(nn.Module):
             return out_proj(out), new_kv
         if kv is None:  # the training forward: causal over the sequence's valid tokens
             # the last query sees every valid key
-            out = _attend_causal(q, k, v, chunk_mask[:, -1], kernels(cfg))
+            out = _attend_causal(q, k, v, chunk_mask[:, -1], kernels(cfg), window)
         else:
             out = _attend_cache_and_chunk(q, k, v, kv, chunk_mask, cache_valid)
         return out_proj(out), (k, v)
@@ -487,19 +534,20 @@ def _attend_written_cache(q, k, v, kv, write):
     return _heads_out(out, T, G), (ck, cv)
 
 
-def _attend_causal(q, k, v, valid, kernel="cpu"):
+def _attend_causal(q, k, v, valid, kernel="cpu", window=None):
     """The training forward: causal attention over the sequence's valid keys (valid [B,T]),
-    by `kernel` ("cpu", "xla" or "cudnn", see `ATTENTION`)."""
+    by `kernel` ("cpu", "xla" or "cudnn", see `ATTENTION`); window: a `TurnWindow` or None."""
     if kernel != "cpu":
-        return _attend_dot_product(q, k, v, valid, kernel)
+        return _attend_dot_product(q, k, v, valid, kernel, window)
     T, G = q.shape[1], q.shape[3]
     qh = _queries_by_kv_head(q, k.dtype)
+    turns, size = (None, 0) if window is None else (window.turns, window.size)
     out = causal_attention(qh, jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2), valid, G,
-                           attention_block(T))  # [B,K,T*G,E]
+                           attention_block(T), turns, size)  # [B,K,T*G,E]
     return _heads_out(out, T, G)
 
 
-def _attend_dot_product(q, k, v, valid, kernel):
+def _attend_dot_product(q, k, v, valid, kernel, window=None):
     """`jax.nn.dot_product_attention` (GQA: query head k*G+g reads kv head k, as here).
 
     Each query sees the valid keys at or before it and always itself, so that a padding query
@@ -511,25 +559,31 @@ def _attend_dot_product(q, k, v, valid, kernel):
     B, T, K, G, E = q.shape
     qh = q.reshape(B, T, K * G, E).astype(k.dtype)
 
-    def attend(q, k, v, valid, implementation):
+    def attend(q, k, v, valid, turns, implementation):
         t = jnp.arange(T, dtype=jnp.int32)
-        mask = (valid[:, None, :] | (t[:, None] == t[None, :]))[:, None]  # [B,1,T,S]
+        seen = valid[:, None, :]
+        if turns is not None:
+            seen = seen & window_mask(turns, turns, window.size)
+        mask = (seen | (t[:, None] == t[None, :]))[:, None]  # [B,1,T,S]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True,
                                             implementation=implementation)
 
+    turns = None if window is None else window.turns
     if kernel == "cudnn":
         try:
-            return attend(qh, k, v, valid, "cudnn")
+            return attend(qh, k, v, valid, turns, "cudnn")
         except (NotImplementedError, ValueError, RuntimeError):
             pass
-    # the mask too is made inside: only q, k, v and valid are kept for the backward
-    return jax.checkpoint(functools.partial(attend, implementation="xla"))(qh, k, v, valid)
+    # the mask too is made inside: only q, k, v, valid (and turns) are kept for the backward
+    return jax.checkpoint(functools.partial(attend, implementation="xla"))(qh, k, v, valid,
+                                                                           turns)
 
 
 def _attend_cache_and_chunk(q, k, v, kv, chunk_mask, cache_valid):
     """One softmax over [cache slots, chunk] without concatenating the cache. Both products
     keep (b, k) as leading batch dims and the cache as the big operand in its stored layout: no
-    per-step transpose or copy of the cache (which used to cost more than the whole model)."""
+    per-step transpose or copy of the cache (which used to cost more than the whole model).
+    cache_valid: [B,S] slots every query sees, or [B,T,S] per query (a context window)."""
     B, T, K, G, E = q.shape
     s = jnp.where(chunk_mask[:, None, None],
                   mixed_einsum("btkge,bske->bkgts", q.astype(k.dtype), k), _MASK_VALUE)
@@ -537,7 +591,11 @@ def _attend_cache_and_chunk(q, k, v, kv, chunk_mask, cache_valid):
     # cache scores [B,K,S,T*G]: the cache [S,E] times the queries transposed
     s_cache = jax.lax.dot_general(ck, _queries_by_kv_head(q, ck.dtype), (((3,), (3,)), _BATCH_BK),
                                   preferred_element_type=jnp.float32)
-    s_cache = jnp.where(cache_valid[:, None, :, None], s_cache, _MASK_VALUE)
+    if cache_valid.ndim == 2:
+        seen = cache_valid[:, None, :, None]
+    else:  # per query: [B,T,S] -> [B,1,S,T*G] (query row t*G + g)
+        seen = jnp.repeat(jnp.swapaxes(cache_valid, 1, 2), G, axis=2)[:, None]
+    s_cache = jnp.where(seen, s_cache, _MASK_VALUE)
 
     def per_query(stat):  # [B,K,G,T] chunk statistic -> [B,K,T*G]
         return jnp.swapaxes(stat, 2, 3).reshape(B, K, T * G)
@@ -575,10 +633,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv, shared):
-        positions, chunk_mask, cache_valid, *write = shared
+        positions, chunk_mask, cache_valid, window, *write = shared
         h, kv = Attention(self.cfg, name="attn")(
             RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, chunk_mask,
-            cache_valid, kv, *write)
+            cache_valid, kv, window, *write)
         x = x + h
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_norm_eps, name="mlp_norm")(x))
         return constrain(x, ACTIVATION_AXES), kv
@@ -604,14 +662,30 @@ def _write_slots(valid, cache: KVCache):
     return jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)), slots
 
 
-def _advance(cache: KVCache, valid, rows, slots, k, v) -> KVCache:
-    """The cache after writing a chunk: new k/v buffers, valid slots, `end` and `pos`."""
+def _advance(cache: KVCache, valid, rows, slots, k, v, window=None) -> KVCache:
+    """The cache after writing a chunk: new k/v buffers, valid slots, `end` and `pos` (and the
+    slots' turns under a context window)."""
     t = jnp.arange(valid.shape[1], dtype=jnp.int32)
     last = jnp.max(jnp.where(valid, t[None, :], -1), axis=1)
     return KVCache(
         k=k, v=v, valid=cache.valid.at[rows, slots].set(True, mode="drop"),
         end=jnp.where(last >= 0, cache.end + last + 1, cache.end).astype(jnp.int32),
-        pos=cache.pos + valid.sum(axis=1, dtype=jnp.int32))
+        pos=cache.pos + valid.sum(axis=1, dtype=jnp.int32),
+        turn=_written_turns(cache, rows, slots, window))
+
+
+def _cache_turns(cache: KVCache):
+    if cache.turn is None:
+        raise ValueError("a TurnWindow over a cache needs the cache's turn ids "
+                         "(init_cache(..., turns=True))")
+    return cache.turn
+
+
+def _written_turns(cache: KVCache, rows, slots, window):
+    """The cache's slot turns with the chunk's written (unchanged without a window)."""
+    if window is None:
+        return cache.turn
+    return _cache_turns(cache).at[rows, slots].set(window.turns, mode="drop")
 
 
 class Transformer(nn.Module):
@@ -642,7 +716,8 @@ class Transformer(nn.Module):
                 kernel_init=_partitioned(nn.initializers.zeros, ("embed", None)),
                 bias_init=_partitioned(nn.initializers.zeros, (None,)))
 
-    def __call__(self, tokens, valid, cache: KVCache | None = None, fresh: bool = False):
+    def __call__(self, tokens, valid, cache: KVCache | None = None, fresh: bool = False,
+                 window: TurnWindow | None = None):
         """tokens [B,T] int, valid [B,T] bool -> (hidden [B,T,D], new cache or None).
 
         Without a cache the chunk attends causally to its own valid tokens (training forward).
@@ -656,15 +731,22 @@ class Transformer(nn.Module):
         fresh=True promises that the cache holds nothing yet (a first prefill): the chunk then
         attends causally to itself alone, as without a cache (`causal_attention`, skipping
         the empty slots), and its keys/values are written as usual.
+
+        window: a `TurnWindow` (the chunk's turns) or None (everything causal is seen). With a
+        cache its slots' turns are read from and written into `cache.turn`.
         """
         valid = valid.astype(bool)
         positions, chunk_mask = _chunk_geometry(valid, cache)
         kv, cache_valid = None, None
         if cache is not None and not fresh:
             kv, cache_valid = (cache.k, cache.v), cache.valid
+        if window is not None and kv is not None:  # (the causal kernels mask for themselves)
+            chunk_mask = chunk_mask & window_mask(window.turns, window.turns, window.size)
+            cache_valid = cache_valid[:, None, :] & window_mask(window.turns, _cache_turns(cache),
+                                                                window.size)
 
         x = self.embed_tokens(tokens)
-        x, (k, v) = self.layers(x, kv, (positions, chunk_mask, cache_valid))  # k, v [L,B,T,K,E]
+        x, (k, v) = self.layers(x, kv, (positions, chunk_mask, cache_valid, window))
         hidden = self.final_norm(x)
         if cache is None:
             return hidden, None
@@ -674,7 +756,8 @@ class Transformer(nn.Module):
         rows, slots = _write_slots(valid, cache)
         new_cache = _advance(cache, valid, rows, slots,
                              k=cache.k.at[:, rows, :, slots].set(jnp.moveaxis(k, 0, 2), mode="drop"),
-                             v=cache.v.at[:, rows, :, slots].set(jnp.moveaxis(v, 0, 2), mode="drop"))
+                             v=cache.v.at[:, rows, :, slots].set(jnp.moveaxis(v, 0, 2), mode="drop"),
+                             window=window)
         return hidden, new_cache
 
     def embed_tokens(self, tokens):
@@ -746,17 +829,18 @@ def forward(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = Non
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None,
-                  fresh: bool = False):
+                  fresh: bool = False, window: TurnWindow | None = None):
     """Final-norm hidden states [B,T,D] and the updated cache (heads applied separately).
 
     With `split_layers` params or a `split_cache` cache the layers run one by one (unrolled)
     instead of as a scan; the numbers are the same. fresh=True: the caller knows the cache is
     empty (see `Transformer.__call__`); the same numbers, without attending over empty slots
-    (stacked layers only: layer by layer it changes nothing).
+    (stacked layers only: layer by layer it changes nothing). window: a `TurnWindow` over the
+    chunk's tokens, or None (see `Transformer.__call__`).
     """
     if _is_split(params["layers"]) or (cache is not None and _is_split(cache.k)):
-        return _hidden_states_layerwise(params, cfg, tokens, valid, cache)
-    return Transformer(cfg).apply({"params": params}, tokens, valid, cache, fresh)
+        return _hidden_states_layerwise(params, cfg, tokens, valid, cache, window)
+    return Transformer(cfg).apply({"params": params}, tokens, valid, cache, fresh, window)
 
 
 def head_logits(params, cfg: ModelConfig, hidden):
@@ -812,7 +896,8 @@ def stack_cache(cache: KVCache) -> KVCache:
     return cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
 
 
-def _hidden_states_layerwise(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None):
+def _hidden_states_layerwise(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None,
+                             window: TurnWindow | None = None):
     stacked = cache is not None and not _is_split(cache.k)
     if stacked:
         cache = split_cache(cache)
@@ -821,7 +906,7 @@ def _hidden_states_layerwise(params, cfg: ModelConfig, tokens, valid, cache: KVC
     model = Transformer(cfg)
     valid = valid.astype(bool)
     positions, chunk_mask = _chunk_geometry(valid, cache)
-    shared = (positions, chunk_mask, None)
+    shared = (positions, chunk_mask, None, window)
     if cache is not None:
         rows, slots = _write_slots(valid, cache)
         # slot s is visible to chunk token t if it held a token already or gets a valid chunk
@@ -833,7 +918,11 @@ def _hidden_states_layerwise(params, cfg: ModelConfig, tokens, valid, cache: KVC
         t = jnp.arange(T, dtype=jnp.int32)
         visible = cache.valid[:, None, :] | (in_chunk[:, None, :]
                                              & (col[:, None, :] <= t[None, :, None]))
-        shared = (positions, chunk_mask, cache.valid, (rows, slots, visible))
+        if window is not None:  # the slots' turns once the chunk's are written
+            visible = visible & window_mask(window.turns,
+                                            _written_turns(cache, rows, slots, window),
+                                            window.size)
+        shared = (positions, chunk_mask, cache.valid, window, (rows, slots, visible))
     block = Block(cfg)
     x = model.apply(heads, tokens, method=Transformer.embed_tokens)
     new_k, new_v = [], []
@@ -845,5 +934,5 @@ def _hidden_states_layerwise(params, cfg: ModelConfig, tokens, valid, cache: KVC
     hidden = model.apply(heads, x, method=Transformer.final_hidden)
     if cache is None:
         return hidden, None
-    new_cache = _advance(cache, valid, rows, slots, tuple(new_k), tuple(new_v))
+    new_cache = _advance(cache, valid, rows, slots, tuple(new_k), tuple(new_v), window)
     return hidden, stack_cache(new_cache) if stacked else new_cache

@@ -67,7 +67,9 @@ class RolloutSpec:
     top_p; cache_dtype of the KV cache; prefill_dtype: matmul dtype of appending the prompt
     and the observations (many tokens per row: compute-bound), replies decode in the model's
     dtype (None: that for both); decode_windows: see `sampler.Sampler.decode_windows` (early
-    turns attend over the start of the context only).
+    turns attend over the start of the context only); context_window: a turn sees the prompt
+    prefix and the last context_window turns only, its own included (0 = the whole dialogue;
+    an attention mask, see `model.TurnWindow`; the update must use the same).
     """
 
     max_turn: int = 5
@@ -82,6 +84,7 @@ class RolloutSpec:
     cache_dtype: object = None
     prefill_dtype: str | None = None
     decode_windows: int = 1
+    context_window: int = 0
 
     @property
     def length_in_prompt(self) -> int:
@@ -397,6 +400,7 @@ def _results(b: _Batch, c: EpisodeCarry, group_id):
     started = (tr.start >= 0) & (tr.start[:, :1] >= 0)
     starts = jnp.where(started, tr.start, T + 1)
     turn_index = jnp.sum(posn[:, :, None] >= starts[:, None, :], axis=2) - 1
+    prefix_length = jnp.where(started[:, 0], starts[:, 0], length)
     turn_index = jnp.where(valid_tok, jnp.maximum(turn_index, 0), -1).astype(jnp.int32)
     loss_mask = ps.generated & valid_tok
     traj = Trajectory(
@@ -405,7 +409,8 @@ def _results(b: _Batch, c: EpisodeCarry, group_id):
         turn_reward=tr.reward, penalty=c.penalty, success=c.success,
         num_actions=c.num_actions, group_id=group_id.astype(jnp.int32),
         tag=jnp.asarray(np.repeat(b.setup.tags, b.sizes), jnp.int32),
-        length=length.astype(jnp.int32), state_hash=tr.state_hash)
+        length=length.astype(jnp.int32), state_hash=tr.state_hash,
+        prefix_length=prefix_length.astype(jnp.int32))
     turns = jnp.sum(tr.end >= 0, axis=1)
     per_turn = jnp.maximum(turns, 1).astype(jnp.float32)
     metrics = {
@@ -636,13 +641,15 @@ def make_mixed_rollout(mix, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpe
     smp = sampler_lib.make_sampler(model_cfg, tokenizer, spec.max_new_tokens,
                                    stop=("</answer>",), top_k=spec.top_k, top_p=spec.top_p,
                                    prefill_dtype=spec.prefill_dtype,
-                                   decode_windows=spec.decode_windows)
+                                   decode_windows=spec.decode_windows,
+                                   context_window=spec.context_window)
     stop_table = tuple(jnp.asarray(a) for a in sampler_lib.byte_table(
         parsing.padded_token_bytes(tokenizer, model_cfg.vocab_size)))
     T = context_length(setup)
 
     def play_from(params, key, env_states, group_id, temperature):
-        pstate = sampler_lib.init_state(model_cfg, group_id.shape[0], T, spec.cache_dtype)
+        pstate = sampler_lib.init_state(model_cfg, group_id.shape[0], T, spec.cache_dtype,
+                                        turns=spec.context_window > 0)
         policy = _model_policy(smp, params, temperature, stop_table)
         traj, metrics, _ = _play_episodes(setup, policy, _SamplerView(pstate), env_states,
                                          group_id, key)
@@ -661,9 +668,9 @@ def _model_policy(smp: sampler_lib.Sampler, params, temperature, stop_table) -> 
     prefill_cfg = smp.cfg.replace(dtype=smp.prefill_dtype or smp.cfg.dtype)
 
     def turn(ps, chunk, valid, k, active, turn_k):
-        del turn_k
         st, turn = sampler_lib.run_turn(smp, params, ps.inner, chunk, valid, k,
-                                        jnp.float32(temperature), active, stop_table)
+                                        jnp.float32(temperature), active, stop_table,
+                                        turn=turn_k)
         return _SamplerView(st), turn
 
     def prefill(ps, chunk, valid):
@@ -675,7 +682,9 @@ def _model_policy(smp: sampler_lib.Sampler, params, temperature, stop_table) -> 
 def append_without_reply(cfg, params, state: sampler_lib.SamplerState, chunk, valid=None):
     """Append chunk [B,P] (valid [B,P], left-aligned; default all) at every row's offset of an
     *empty* sampler state and write its keys/values, without decoding a reply (the prompt
-    prefix). The sampler's own append (`sampler.append`), minus its decode loop."""
+    prefix). The sampler's own append (`sampler.append`), minus its decode loop. Under a
+    context window the prefix's slots keep their initial turn, model.PREFIX_TURN (always seen),
+    and a prefix attends to itself alone either way."""
     params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(cfg.dtype)), params)
     valid = jnp.ones(chunk.shape, bool) if valid is None else valid
     return sampler_lib.append(params, cfg, state, chunk, valid, fresh=True)[1]

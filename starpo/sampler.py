@@ -13,6 +13,10 @@ Temperature is a traced argument (training and validation temperatures share one
 top-k and top-p are static. The returned log-prob of a token is under the distribution actually
 sampled from (temperature, top-k, top-p applied and renormalised); with temperature 0 (greedy)
 it is the log-prob under the untempered, unfiltered distribution.
+
+A context window (`Sampler.context_window` turns, 0 = off): every call is one dialogue turn
+(`turn`); its chunk and reply attend only to the prompt prefix and the last `context_window`
+turns (`model.TurnWindow`, the cache keeps each slot's turn), as the update's forward does.
 """
 
 from __future__ import annotations
@@ -69,10 +73,12 @@ class Turn:
 NOT_RUN, EOS, STOP_STRING, BUDGET, CONTEXT_FULL = 0, 1, 2, 3, 4
 
 
-def init_state(cfg: ModelConfig, batch: int, max_len: int, cache_dtype=None) -> SamplerState:
+def init_state(cfg: ModelConfig, batch: int, max_len: int, cache_dtype=None,
+               turns: bool = False) -> SamplerState:
+    """An empty state; turns=True keeps each slot's dialogue turn (a context window)."""
     rows = lambda dtype: constrain(jnp.zeros((batch, max_len), dtype), ("batch", "length"))  # noqa: E731
     return SamplerState(
-        cache=model_lib.init_cache(cfg, batch, max_len, cache_dtype),
+        cache=model_lib.init_cache(cfg, batch, max_len, cache_dtype, turns),
         tokens=rows(jnp.int32), logprobs=rows(jnp.float32), generated=rows(bool))
 
 
@@ -197,6 +203,13 @@ class Sampler:
     # every row's history plus its chunk and, for a live row, this turn's reply. One append and
     # one decode loop are compiled per window; 1 = always the whole cache.
     decode_windows: int = 1
+    # context window in dialogue turns (`model.TurnWindow`): a turn's tokens see the prompt
+    # prefix and the last `context_window` turns, the current one included; 0 = everything
+    context_window: int = 0
+
+    def window(self, turns):
+        """The `TurnWindow` of tokens of turn(s) `turns` [B,T], or None (no context window)."""
+        return model_lib.TurnWindow(turns, self.context_window) if self.context_window else None
 
     def turn(self, params, state: SamplerState, chunk, chunk_valid, key, temperature, active,
              token_bytes=None):
@@ -222,11 +235,11 @@ class Sampler:
 
 def make_sampler(cfg: ModelConfig, tokenizer, max_new_tokens: int, stop=(), top_k: int = 0,
                  top_p: float = 1.0, prefill_dtype: str | None = None,
-                 decode_windows: int = 1) -> Sampler:
+                 decode_windows: int = 1, context_window: int = 0) -> Sampler:
     """A Sampler for a model and its tokenizer; `stop` strings are matched on decoded bytes."""
     return Sampler(cfg, max_new_tokens, tuple(tokenizer.eos_ids), tokenizer.pad_id,
                    tuple(s.encode("utf-8") for s in stop), int(top_k), float(top_p),
-                   prefill_dtype, int(decode_windows))
+                   prefill_dtype, int(decode_windows), int(context_window))
 
 
 def window_sizes(max_len: int, n: int) -> tuple[int, ...]:
@@ -240,18 +253,20 @@ def window_sizes(max_len: int, n: int) -> tuple[int, ...]:
 
 
 def append(params, cfg: ModelConfig, state: SamplerState, chunk, chunk_valid,
-           fresh: bool = False):
+           fresh: bool = False, window=None):
     """Write chunk [B,C] (valid [B,C]) at each row's offset: its tokens into the state's token
     buffer and its keys/values into the cache, without decoding.
     Returns (hidden [B,C,D] of the chunk, new state). `params` already in cfg.dtype.
     fresh=True: the state is known to be empty (its first chunk), so the chunk attends to
-    itself alone instead of also over every (empty) cache slot."""
+    itself alone instead of also over every (empty) cache slot. window: the chunk's
+    `model.TurnWindow` or None."""
     B, C = chunk.shape
     # the token buffer may be wider than the cache (a window of it, see `run_turn`)
     slots = jnp.where(chunk_valid, state.cache.end[:, None] + jnp.arange(C)[None, :],
                       state.tokens.shape[1])
     tokens = state.tokens.at[jnp.arange(B)[:, None], slots].set(chunk, mode="drop")
-    hidden, cache = model_lib.hidden_states(params, cfg, chunk, chunk_valid, state.cache, fresh)
+    hidden, cache = model_lib.hidden_states(params, cfg, chunk, chunk_valid, state.cache, fresh,
+                                            window)
     return hidden, state.replace(cache=cache, tokens=tokens)
 
 
@@ -283,13 +298,15 @@ class _Plan(NamedTuple):
     live: jax.Array  # the row decodes a reply
     reason: jax.Array  # initial stop reason (CONTEXT_FULL for an active row that cannot)
     key: jax.Array
+    turn: jax.Array  # int32 []: the dialogue turn (context window)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="fresh", donate_argnums=2)
 def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, temperature,
-             active, token_bytes, fresh: bool = False):
+             active, token_bytes, fresh: bool = False, turn=0):
     """The jitted program behind `Sampler.turn` (exposed for ahead-of-time `.lower()`).
-    fresh=True: `state` is empty (`Sampler.generate`); see `append`."""
+    fresh=True: `state` is empty (`Sampler.generate`); see `append`. turn: int32 [], the
+    dialogue turn of this call's chunk and reply (read under a context window only)."""
     cfg, N = s.cfg, s.max_new_tokens
     C = chunk.shape[1]
     S = state.cache.max_len
@@ -311,7 +328,7 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     # arrays (see `model.split_layers`).
     split_params = model_lib.split_layers(params)
     reason = jnp.where(active & ~live, CONTEXT_FULL, NOT_RUN).astype(jnp.int32)
-    plan = _Plan(chunk, write, span, live, reason, key)
+    plan = _Plan(chunk, write, span, live, reason, key, jnp.asarray(turn, jnp.int32))
 
     def turn_in(W):
         return lambda _: _turn_in_window(s, W, pre_cfg, pre_params, split_params, state, plan,
@@ -341,9 +358,11 @@ def _turn_in_window(s: Sampler, W: int, pre_cfg, pre_params, split_params,
     B, N = plan.chunk.shape[0], s.max_new_tokens
     rows = jnp.arange(B)
     win = full if W == S else full.replace(
-        k=full.k[:, :, :, :W], v=full.v[:, :, :, :W], valid=full.valid[:, :W])
+        k=full.k[:, :, :, :W], v=full.v[:, :, :, :W], valid=full.valid[:, :W],
+        turn=None if full.turn is None else full.turn[:, :W])
     hidden, appended = append(pre_params, pre_cfg, state.replace(cache=win), plan.chunk,
-                              plan.write, fresh)
+                              plan.write, fresh,
+                              s.window(jnp.full(plan.chunk.shape, plan.turn, jnp.int32)))
     last = jnp.maximum(plan.span - 1, 0)
     logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
     w = appended.cache
@@ -358,20 +377,25 @@ def _turn_in_window(s: Sampler, W: int, pre_cfg, pre_params, split_params,
                                    v=tuple(w.v[i] for i in range(L))))
     c = jax.lax.while_loop(
         lambda c: (c.step < N) & jnp.any(c.live),
-        functools.partial(_decode_step, s, split_params, temperature, token_bytes, S), init)
+        functools.partial(_decode_step, s, split_params, temperature, token_bytes, S, plan.turn),
+        init)
     # written back in place: a window is a copy, the whole cache's append wrote in place
     base = appended.cache if W == S else full
     k, v = base.k, base.v
     for i in range(L):
         k = jax.lax.dynamic_update_slice(k, c.cache.k[i][None], (i, 0, 0, 0, 0))
         v = jax.lax.dynamic_update_slice(v, c.cache.v[i][None], (i, 0, 0, 0, 0))
+    turns = None if base.turn is None else jax.lax.dynamic_update_slice(
+        base.turn, c.cache.turn, (0, 0))
     return c.replace(cache=c.cache.replace(k=k, v=v, valid=jax.lax.dynamic_update_slice(
-        base.valid, c.cache.valid, (0, 0))))
+        base.valid, c.cache.valid, (0, 0)), turn=turns))
 
 
-def _decode_step(s: Sampler, params, temperature, token_bytes, S: int, c: _Decode) -> _Decode:
+def _decode_step(s: Sampler, params, temperature, token_bytes, S: int, turn,
+                 c: _Decode) -> _Decode:
     """Sample one token per live row, write it and run it through the model (`params`: the
-    per-layer weights in the decode dtype; S: the whole cache's slots)."""
+    per-layer weights in the decode dtype; S: the whole cache's slots; turn: the dialogue
+    turn, under a context window)."""
     N = s.max_new_tokens
     rows = jnp.arange(c.live.shape[0])
     key, sub = jax.random.split(c.key)
@@ -385,7 +409,9 @@ def _decode_step(s: Sampler, params, temperature, token_bytes, S: int, c: _Decod
     buf = c.tokens_buf.at[rows, slot].set(token, mode="drop")
     lp_buf = c.lp_buf.at[rows, slot].set(logp, mode="drop")
     gen_buf = c.gen_buf.at[rows, slot].set(True, mode="drop")
-    hidden, cache = model_lib.hidden_states(params, s.cfg, token[:, None], live[:, None], c.cache)
+    window = s.window(jnp.full(token[:, None].shape, turn, jnp.int32))
+    hidden, cache = model_lib.hidden_states(params, s.cfg, token[:, None], live[:, None], c.cache,
+                                            window=window)
     logits = model_lib.head_logits(params, s.cfg, hidden[:, 0])
 
     stopped = jnp.where(jnp.isin(token, jnp.asarray(s.eos_ids, jnp.int32)), EOS, 0)

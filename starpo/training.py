@@ -70,7 +70,8 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
               "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
               "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10,
-              "model.init_from": ""}
+              "model.init_from": "",
+              "rollout.context_window_mode": "full", "rollout.max_context_window": -1}
 
 
 # ----------------------------------------------------------------------------- config
@@ -82,12 +83,23 @@ def enable_compilation_cache(directory: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
 
 
+def context_window(config) -> int:
+    """The rollout's context window in turns (0 = the whole dialogue), from
+    rollout.context_window_mode and rollout.max_context_window (runs saved before they existed
+    had the whole dialogue)."""
+    r = config.rollout
+    return config_check.context_window(r.get("context_window_mode", "full"),
+                                       r.get("max_context_window", -1))
+
+
 def algo_config(config) -> update_lib.AlgoConfig:
-    """The update's knobs: `config.algorithm` plus group size and temperature of the rollout."""
+    """The update's knobs: `config.algorithm` plus group size, temperature, reply budget and
+    context window of the rollout."""
     return update_lib.AlgoConfig(**config.algorithm.to_dict(),
                                   group_size=config.rollout.group_size,
                                   temperature=config.rollout.temperature,
-                                  response_length=config.rollout.response_length)
+                                  response_length=config.rollout.response_length,
+                                  context_window=context_window(config))
 
 
 def rollout_spec(config) -> rollout_lib.RolloutSpec:
@@ -97,7 +109,8 @@ def rollout_spec(config) -> rollout_lib.RolloutSpec:
         thinking=r.enable_think, top_k=r.top_k, top_p=r.top_p,
         max_actions_per_turn=r.max_actions_per_turn or None,
         max_actions_per_traj=r.max_actions_per_traj or None,
-        prefill_dtype=phase_dtypes(config)["prefill"], decode_windows=r.get("decode_windows", 1))
+        prefill_dtype=phase_dtypes(config)["prefill"], decode_windows=r.get("decode_windows", 1),
+        context_window=context_window(config))
 
 
 def env_mix(config) -> tuple[tuple[str, int], ...]:

@@ -48,6 +48,9 @@ class Trajectory:
     state_hash:      int32[B,M]  `state_hash` of the env state turn k acted on (before its
                                  actions), 0 if turn k did not happen; GiGPO's anchor states.
                                  None when a trajectory was not made by the rollout
+    prefix_length:   int32[B]    tokens of the prompt prefix (system prompt and instruction,
+                                 turn_index 0 but seen by every turn under a context window,
+                                 `window_turns`); None when not made by the rollout
     """
 
     tokens: jax.Array
@@ -63,6 +66,7 @@ class Trajectory:
     tag: jax.Array
     length: jax.Array
     state_hash: jax.Array | None = None
+    prefix_length: jax.Array | None = None
 
     @property
     def valid(self) -> jax.Array:
@@ -73,6 +77,15 @@ class Trajectory:
     def score(self) -> jax.Array:
         """f32[B]: the trajectory reward, sum of turn rewards plus penalty."""
         return self.turn_reward.sum(axis=1) + self.penalty
+
+    def window_turns(self) -> jax.Array:
+        """int32[B,T]: each token's turn for a context window (`model.TurnWindow`): turn_index,
+        with the prompt prefix at model.PREFIX_TURN (-1, always seen) -- what the sampler's
+        cache recorded for the same slots."""
+        if self.prefix_length is None:
+            raise ValueError("a context window needs Trajectory.prefix_length (the rollout's)")
+        prefix = jnp.arange(self.tokens.shape[1])[None, :] < self.prefix_length[:, None]
+        return jnp.where(prefix, -1, self.turn_index)
 
     def take(self, rows: jax.Array) -> "Trajectory":
         """The rows `rows` (int[N]) of every field, in that order."""
@@ -152,6 +165,8 @@ def check_trajectory(traj: Trajectory, group_size: int) -> None:
             "num_actions": (B,), "group_id": (B,), "tag": (B,), "length": (B,)}
     if t.state_hash is not None:
         rows["state_hash"] = (B, M)
+    if t.prefix_length is not None:
+        rows["prefix_length"] = (B,)
     for name, shape in rows.items():
         if getattr(t, name).shape != shape:
             raise ValueError(f"{name} has shape {getattr(t, name).shape}, expected {shape}")

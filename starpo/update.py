@@ -113,6 +113,10 @@ class AlgoConfig:
     # the rollout's sampling temperature: the policy being optimised is the tempered one, so the
     # training forward divides logits by it too (as the reference's actor does)
     temperature: float = 1.0
+    # the rollout's context window in turns (`RolloutSpec.context_window`, from
+    # rollout.context_window_mode / max_context_window): the training forward masks attention
+    # the same way, so log-probs are those of the context each token was sampled in; 0 = off
+    context_window: int = 0
 
     def __post_init__(self):
         """Every knob in its range; messages name the config key (`algorithm.x`, `rollout.x`)."""
@@ -153,7 +157,7 @@ class AlgoConfig:
 
 def _key(name: str) -> str:
     """The config key of an AlgoConfig field (group size and temperature come from `rollout`)."""
-    rollout = ("group_size", "temperature", "response_length")
+    rollout = ("group_size", "temperature", "response_length", "context_window")
     return f"rollout.{name}" if name in rollout else f"algorithm.{name}"
 
 
@@ -162,7 +166,7 @@ _BETA = within(0, 1, hi_open=True)
 # field -> rule (starpo.config_check)
 _RANGES = {
     "gamma": _RATE, "lam": _RATE, "high_level_gamma": _RATE,
-    "group_size": _SIZE,
+    "group_size": _SIZE, "context_window": _COUNT,
     "rollout_filter_ratio": within(0, 1, lo_open=True),
     "rollout_filter_top_p": within(0, 1, lo_open=True),
     "rollout_filter_selection_eps": _COUNT, "gigpo_step_advantage_w": _COUNT,
@@ -254,7 +258,8 @@ class Batch:
 
     tokens int32, valid bool, loss_mask bool (model tokens, within valid), old_logprobs f32
     (training forward before the updates), ref_logprobs f32 | None, old_values f32 | None,
-    advantages f32, returns f32.
+    advantages f32, returns f32, turns int32 | None (`Trajectory.window_turns`, under a
+    context window).
     """
 
     tokens: jax.Array
@@ -265,6 +270,12 @@ class Batch:
     old_values: jax.Array | None
     advantages: jax.Array
     returns: jax.Array
+    turns: jax.Array | None = None
+
+
+def _window(algo: AlgoConfig, turns=None):
+    """The `model.TurnWindow` of a batch's rows (turns [N,T]), or None without a window."""
+    return model_lib.TurnWindow(turns, algo.context_window) if algo.context_window else None
 
 
 # ----------------------------------------------------------------------------- forward passes
@@ -275,15 +286,16 @@ def _shift_right(x: jax.Array) -> jax.Array:
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
-                   temperature: float = 1.0):
+                   temperature: float = 1.0, window=None):
     """Log-prob and entropy f32[B,T] of each token under the model's distribution at
-    `temperature` (the one the sampler drew from), aligned with the token.
+    `temperature` (the one the sampler drew from), aligned with the token; window: the
+    rollout's `model.TurnWindow` over the rows, or None.
 
     With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
     rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
     """
     tokens = sharding.constrain(tokens, ("batch", "length"))
-    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid)
+    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
     h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
 
     def head(params, h, y):
@@ -307,10 +319,11 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
     return _shift_right(logp), _shift_right(entropy)
 
 
-def token_values(params, cfg: ModelConfig, tokens, valid):
-    """Critic values f32[B,T]: V of the state before each token (hidden state at t-1)."""
+def token_values(params, cfg: ModelConfig, tokens, valid, window=None):
+    """Critic values f32[B,T]: V of the state before each token (hidden state at t-1); the
+    critic sees the context the actor saw (window: a `model.TurnWindow` or None)."""
     tokens = sharding.constrain(tokens, ("batch", "length"))
-    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid)
+    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
     return _shift_right(model_lib.head_values(params, cfg, hidden[:, :-1]))
 
 
@@ -434,11 +447,14 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         valid = traj.valid
         mask = traj.loss_mask & valid & keep[:, None]
         micro = _micro_size(algo, N)
+        # each row's tokens with the turns a context window reads (None: no window)
+        rows = (traj.tokens, valid) + ((traj.window_turns(),) if algo.context_window else ())
 
         def logp_of(params):
-            fn = lambda t, v: token_logprobs(params, actor_cfg, t, v, algo.logit_chunk_size,
-                                             algo.temperature)[0]
-            return _micro_map(fn, micro, traj.tokens, valid)
+            fn = lambda t, v, *turns: token_logprobs(  # noqa: E731
+                params, actor_cfg, t, v, algo.logit_chunk_size, algo.temperature,
+                _window(algo, *turns))[0]
+            return _micro_map(fn, micro, *rows)
 
         old_logp = logp_of(state.actor_params)
         ref_logp = logp_of(ref_params) if algo.uses_reference else None
@@ -457,8 +473,8 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
                 rewards, traj.turn_end, traj.turn_index, traj.state_hash, traj.group_id, mask,
                 algo.gamma, algo.gigpo_step_advantage_w, algo.gigpo_mode)
         else:
-            values = _micro_map(lambda t, v: token_values(state.critic_params, critic_cfg, t, v),
-                                micro, traj.tokens, valid)
+            values = _micro_map(lambda t, v, *turns: token_values(
+                state.critic_params, critic_cfg, t, v, _window(algo, *turns)), micro, *rows)
             values = jnp.where(mask, values, 0.0)
             if algo.adv_estimator == "gae":
                 advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
@@ -473,7 +489,7 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
                                         values, advantages, returns, keep))
         batch = Batch(tokens=traj.tokens, valid=valid, loss_mask=mask, old_logprobs=old_logp,
                       ref_logprobs=ref_logp, old_values=values, advantages=advantages,
-                      returns=returns)
+                      returns=returns, turns=rows[2] if algo.context_window else None)
         return batch, metrics
 
     return prepare
@@ -485,7 +501,8 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
     """(loss, stats) of the clipped policy loss with the entropy bonus (and KL loss) on one
     micro-batch; `num_tokens` / `num_seqs` count the whole mini-batch."""
     logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
-                                   algo.logit_chunk_size, algo.temperature)
+                                   algo.logit_chunk_size, algo.temperature,
+                                   _window(algo, m.turns))
     pg, clipped, lower, log_ratio = losses.policy_loss_terms(
         logp, m.old_logprobs, m.advantages, algo.clip_ratio_low, algo.clip_ratio_high,
         algo.clip_ratio_c)
@@ -512,7 +529,7 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
 def _critic_loss(algo: AlgoConfig, critic_cfg: ModelConfig, params, m: Batch, num_tokens,
                  num_seqs):
     """(loss, stats) of the clipped value loss on one micro-batch."""
-    values = token_values(params, critic_cfg, m.tokens, m.valid)
+    values = token_values(params, critic_cfg, m.tokens, m.valid, _window(algo, m.turns))
     vf, clipped = losses.value_loss_terms(values, m.old_values, m.returns,
                                           algo.cliprange_value)
     loss = losses.aggregate(vf, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs)

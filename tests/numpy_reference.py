@@ -42,15 +42,17 @@ def rope(x, positions, freqs):
     return x * cos + rotated * sin
 
 
-def forward(t, c, ids):
-    """Logits [T, V] of one unpadded sequence. t: HF tensor dict; c: dict of config numbers."""
+def forward(t, c, ids, positions=None, visible=None):
+    """Logits [T, V] of one unpadded sequence. t: HF tensor dict; c: dict of config numbers;
+    positions [T]: the tokens' rotary positions (default 0 .. T-1); visible [T, T] bool: the
+    keys each query attends to in every layer (default causal: s <= t)."""
     f64 = {k: np.asarray(v, np.float64) for k, v in t.items()}
     x = f64["model.embed_tokens.weight"][np.asarray(ids)]
     T = len(ids)
     H, K, E = c["heads"], c["kv_heads"], c["head_dim"]
-    pos = np.arange(T, dtype=np.float64)
+    pos = np.arange(T, dtype=np.float64) if positions is None else np.asarray(positions, float)
     freqs = inv_freq(E, c["theta"], c.get("scaling"))
-    causal = np.tril(np.ones((T, T), bool))
+    causal = np.tril(np.ones((T, T), bool)) if visible is None else np.asarray(visible, bool)
     for i in range(c["layers"]):
         p = f"model.layers.{i}."
         h = rms_norm(x, f64[p + "input_layernorm.weight"], c["eps"])

@@ -21,14 +21,14 @@ from absl import flags
 import envs
 from configs import bandit, frozenlake, sokoban
 from launch import common
-from starpo import config_check, update
+from starpo import config_check, training, update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"configs/frozenlake.py": frozenlake, "configs/sokoban.py": sokoban,
          "configs/bandit.py": bandit}
 VARIANTS = (None, "cpu", "tiny")
 # AlgoConfig fields the config keeps in `rollout`
-FROM_ROLLOUT = ("group_size", "temperature", "response_length")
+FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window")
 
 
 def flat(d, prefix=""):
@@ -199,6 +199,8 @@ BAD = {
     "algorithm.ppo_epochs": ["x", "0"],
     "algorithm.online_k": ["x", "-1"],
     "algorithm.logit_chunk_size": ["x", "-1"],
+    "rollout.context_window_mode": ["everything", "1"],
+    "rollout.max_context_window": ["x", "0", "-2"],
 }
 def parse(argv):
     """What `launch/train.py` does with its command line before `main`: -> config or UsageError."""
@@ -284,3 +286,15 @@ def test_the_command_exits_2_with_one_line_and_leaves_the_workdir_alone(tmp_path
         assert w in lines[0], lines[0]
     assert not (tmp_path / "new").exists()
     assert sorted(os.listdir(existing)) == ["notes.txt"]
+
+
+def test_a_limited_context_window_needs_its_size():
+    path = os.path.join(ROOT, "configs/frozenlake.py")
+    with pytest.raises(common.UsageError, match="max_context_window must be >= 1") as e:
+        parse(["train.py", f"--config={path}", "--config.rollout.context_window_mode=limited"])
+    assert "\n" not in str(e.value)
+    for mode, window, turns in (("full", -1, 0), ("single_turn", -1, 1), ("limited", 3, 3)):
+        c = parse(["train.py", f"--config={path}", f"--config.rollout.context_window_mode={mode}",
+                   f"--config.rollout.max_context_window={window}"])
+        assert training.algo_config(c).context_window == turns
+        assert training.rollout_spec(c).context_window == turns
