@@ -74,8 +74,11 @@ def make_step(algo: update_lib.AlgoConfig, cfg):
     NLL of the weighted rows' reply tokens, summed over micro-batches."""
     tx = update_lib.make_optimizer(algo.actor_lr, algo)
 
-    def nll(params, tokens, valid, mask):
-        logp, _ = update_lib.token_logprobs(params, cfg, tokens, valid, algo.logit_chunk_size)
+    def nll(params, tokens, valid, mask, *turns):
+        # under a context window the demonstration is trained in the context the policy sees
+        window = update_lib._window(algo, turns[0]) if turns else None
+        logp, _ = update_lib.token_logprobs(params, cfg, tokens, valid, algo.logit_chunk_size,
+                                            window=window)
         return -jnp.sum(logp * mask)
 
     def step(state, traj, weight):
@@ -84,8 +87,9 @@ def make_step(algo: update_lib.AlgoConfig, cfg):
         mask = traj.loss_mask.astype(jnp.float32) * weight[:, None]
         count = jnp.maximum(mask.sum(), 1.0)
         micro = min(algo.micro_batch_size, B)
-        parts = jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]),
-                                       (traj.tokens, valid, mask))
+        rows = (traj.tokens, valid, mask) + ((traj.window_turns(),) if algo.context_window
+                                             else ())
+        parts = jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]), rows)
 
         def accumulate(carry, xs):
             grads, total = carry
