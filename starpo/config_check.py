@@ -86,6 +86,10 @@ RULES = {
     "trainer.keep_checkpoints": within(1),
     "trainer.log_samples": within(0),
     "trainer.collapse_window": within(1),
+    "trainer.collapse_mi_freq": within(0, note="0 = off"),
+    "trainer.collapse_mi_samples": within(1),
+    "trainer.collapse_mi_micro_batch": within(1),
+    "trainer.collapse_mi_warn": (lambda v: math.isfinite(v), "a finite number"),
     "trainer.context_bucket": within(0, note="0 = always max_context"),
 }
 
