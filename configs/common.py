@@ -217,6 +217,15 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         log_samples=1,  # validation dialogues written as text each validation
         stop_on_collapse=False,  # stop when the Echo Trap warning fires
         collapse_window=10,  # steps of history the collapse detector compares against
+        # RAGEN-2's template-collapse diagnostic (starpo/collapse.py): every first reply's
+        # reasoning scored under each of the batch's prompts, logged as collapse/*. Runs on the
+        # first step, then every collapse_mi_freq steps (RAGEN-2: 5); 0 = off (no cost)
+        collapse_mi_freq=0,
+        collapse_mi_samples=64,  # at most this many episodes' reasoning (RAGEN-2 num_samples)
+        collapse_mi_micro_batch=16,  # prompt+reasoning sequences per forward pass
+        # warn (warning/template_collapse) when collapse/mi_estimate (nats per reasoning token)
+        # falls below this; RAGEN-2 logs without a threshold
+        collapse_mi_warn=0.01,
         fast_compile=False,  # XLA's cheapest optimisation level (tiny models compile ~3x faster)
         # stop at start when the memory plan (starpo/memory.py: each phase's estimated peak
         # per device) exceeds the device's memory; False: print a warning and go on

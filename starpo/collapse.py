@@ -1,17 +1,34 @@
-"""RAGEN-2's template-collapse statistics (RAGEN-AI/RAGEN `CollapseDetector`), jittable.
+"""RAGEN-2's template-collapse diagnostic (RAGEN `ragen/trainer/collapse_metrics.py`,
+`CollapseDetector`, first-turn sampling), wired into training by `trainer.collapse_mi_freq`.
 
-Template collapse: the model's reasoning stops depending on its input, I(X;R) falls. RAGEN-2
-estimates I(X;R) under the batch's empirical prompt distribution (uniform over its N distinct
-prompts): every reasoning r_i is scored under every prompt x_j by teacher forcing,
-l_j(r_i) = mean log-prob per reasoning token of r_i after x_j, and
+Template collapse: the model's reasoning stops depending on its input, I(X;R) falls, while its
+entropy may stay high (so the Echo Trap warning, which watches entropy, misses it). RAGEN-2
+estimates I(X;R) under the batch's empirical prompt distribution (uniform over its N prompts):
+every sampled reasoning r_i is scored under every prompt x_j by teacher forcing with the
+current policy, l_j(r_i) = mean log-prob per reasoning token of r_i after x_j, and
 
     matched_i  = l_{g(i)}(r_i)                        (its own prompt g(i))
     marginal_i = logsumexp_j l_j(r_i) - log N         (the uniform mixture of prompts)
     collapse/mi_estimate = mean_i (matched_i - marginal_i)     (at most log N)
-    collapse/retrieval_accuracy = share of i with argmax_j l_j(r_i) == g(i)  (chance 1/N)
+    collapse/retrieval_accuracy = share of i whose best-scoring prompt is its own (chance ~1/N)
 
-Only the statistics are here: the cross scores cost N extra forward passes of the batch's
-reasoning (one per prompt), which the update does not yet run (not wired into training).
+What is scored, as RAGEN-2's first-turn sample: the prompt x is everything before the first
+reply's first model token (system prompt, env prefix, turn 1's observation and the reply prime),
+identical in every row of a group; the reasoning r is the first reply's `<think>` content, i.e.
+its model tokens before the token where `</think>` begins. A reply without `</think>` or with
+an empty think part has no reasoning and is left out (RAGEN-2's regex finds none), and
+`collapse/first_turn_valid_rate` says how many were usable. Deliberate differences:
+- the scored tokens are the sampled ones (RAGEN-2 re-tokenises the stripped think text);
+- the columns are all of the batch's groups (RAGEN-2: the groups among the sampled rows);
+- thinking off (`rollout.enable_think=False`, the tiny configs): RAGEN-2 turns the detector
+  off; here the reasoning is the whole first reply (its model tokens, e.g. `Left</answer>`),
+  so the diagnostic says whether the first answer depends on the level at all;
+- RAGEN-2's EMA-normalised z-scores and top-k retrieval are not logged.
+RAGEN-2 has no threshold; `trainer.collapse_mi_warn` adds a warning line like the Echo Trap's.
+
+Cost: N forward passes of the sampled reasoning (n x N sequences of prompt + reasoning, at most
+`collapse_mi_samples` rows), on the steps RAGEN-2 computes it (the first, then every
+`collapse_mi_freq`-th); nothing at all when the knob is 0 (the default).
 """
 
 from __future__ import annotations
@@ -20,17 +37,191 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from starpo import sharding
+from starpo import update as update_lib
+
+THINK_END = b"</think>"
+BUCKET = 64  # pair sequences are padded to a multiple of this (few distinct compiled shapes)
 
 
-def mi_metrics(cross_logp: jax.Array, own: jax.Array) -> dict:
-    """RAGEN-2's collapse/ metrics from cross scores f32[n,N] (row i: reasoning i's mean
-    per-token log-prob under each of the N prompts) and own int[n] (the column of its prompt)."""
-    N = cross_logp.shape[1]
-    matched = jnp.take_along_axis(cross_logp, own[:, None], axis=1)[:, 0]
-    marginal = jax.nn.logsumexp(cross_logp, axis=1) - math.log(N)
-    hit = jnp.argmax(cross_logp, axis=1) == own
-    return {"collapse/mi_estimate": (matched - marginal).mean(),
-            "collapse/mi_upper_bound": jnp.float32(math.log(N)),
-            "collapse/matched_log_prob_mean": matched.mean(),
-            "collapse/marginal_log_prob_mean": marginal.mean(),
-            "collapse/retrieval_accuracy": hit.astype(jnp.float32).mean()}
+def mi_metrics(cross_logp, own, cross_sum=None, same=None) -> dict:
+    """RAGEN-2's collapse/ statistics (host, numpy) from cross scores f32[n,N] (row i: reasoning
+    i's mean per-token log-prob under each of the N prompts) and own int[n] (its prompt's column).
+
+    cross_sum f32[n,N]: the summed (per-sequence) log-probs, for the `_seq` figures. same
+    bool[N,N]: columns whose prompts are identical token for token (two groups can draw the same
+    level); a reasoning retrieved by an identical prompt counts as retrieved, and the chance
+    level is the share of columns identical to its own (RAGEN-2's prompt signatures)."""
+    cross = np.asarray(cross_logp, np.float64)
+    own = np.asarray(own)
+    n, N = cross.shape
+    same = np.eye(N, dtype=bool) if same is None else np.asarray(same, bool)
+    rows = np.arange(n)
+
+    def stats(x):
+        m = x.max(axis=1, keepdims=True)
+        marginal = m[:, 0] + np.log(np.exp(x - m).sum(axis=1)) - math.log(N)
+        return x[rows, own], marginal
+
+    matched, marginal = stats(cross)
+    hit = same[np.argmax(cross, axis=1), own]
+    chance = float((same[own].sum(axis=1) / N).mean())
+    std = float(marginal.std())
+    out = {"collapse/mi_estimate": float((matched - marginal).mean()),
+           "collapse/mi_upper_bound": math.log(N),
+           "collapse/matched_log_prob_mean": float(matched.mean()),
+           "collapse/marginal_log_prob_mean": float(marginal.mean()),
+           "collapse/retrieval_accuracy": float(hit.mean()),
+           "collapse/retrieval_chance_level": chance,
+           "collapse/retrieval_above_chance": float(hit.mean()) - chance,
+           "collapse/conditional_entropy_est": -float(matched.mean()),
+           "collapse/reasoning_entropy_est": -float(marginal.mean()),
+           "collapse/marginal_std": std,
+           "collapse/mi_zscore": float(((matched - marginal) / (std + 1e-3)).mean())}
+    if cross_sum is not None:
+        matched_s, marginal_s = stats(np.asarray(cross_sum, np.float64))
+        out["collapse/mi_seq_estimate"] = float((matched_s - marginal_s).mean())
+    return out
+
+
+def warns(metrics: dict, threshold: float) -> bool:
+    """Whether a step's collapse/ scalars call for the template-collapse warning: the MI
+    estimate below `threshold`, where the batch's prompts differ at all (identical prompts, as
+    every Bandit level's, carry no information: the MI is 0 by construction, not a collapse)."""
+    return (metrics["collapse/mi_estimate"] < threshold
+            and metrics["collapse/retrieval_chance_level"] < 1.0)
+
+
+def first_turn_spans(tokens, loss_mask, turn_index, length, thinking: bool, token_bytes):
+    """(prompt_len int[B], reason_len int[B]) of each row (host numpy): the first reply starts
+    at prompt_len (its first model token), its reasoning is the reason_len tokens from there
+    (0: no usable reasoning). `token_bytes`: the tokenizer's bytes of each token id."""
+    B, T = tokens.shape
+    prompt_len = np.full(B, -1, np.int64)
+    reason_len = np.zeros(B, np.int64)
+    valid = np.arange(T)[None, :] < np.asarray(length)[:, None]
+    first = np.asarray(loss_mask) & (np.asarray(turn_index) == 0) & valid
+    for b in range(B):
+        pos = np.flatnonzero(first[b])
+        if pos.size == 0:
+            continue
+        prompt_len[b] = pos[0]
+        reply = pos[:np.argmax(np.diff(pos) != 1) + 1] if (np.diff(pos) != 1).any() else pos
+        if not thinking:
+            reason_len[b] = reply.size
+            continue
+        text = b"".join(token_bytes[int(t)] for t in tokens[b, reply])
+        end = text.find(THINK_END)
+        if end < 0:
+            continue
+        ends = np.cumsum([len(token_bytes[int(t)]) for t in tokens[b, reply]])
+        reason_len[b] = int((ends <= end).sum())  # tokens wholly before `</think>`
+    return prompt_len, reason_len
+
+
+def build_pairs(tokens, group_id, prompt_len, reason_len, rows, bucket: int = BUCKET):
+    """The teacher-forcing inputs of reasoning rows `rows` (int[n], rows with reasoning) under
+    each group's prompt (host numpy). Returns (pair_tokens int32[n*N, L], pair_valid bool,
+    score_mask bool (the reasoning tokens), own int[n], same bool[N,N]); pair i*N + j is
+    reasoning i after prompt j; columns are the groups in order of first appearance (its
+    prompt from the group's first row that has one). L: the longest pair rounded up to
+    `bucket`."""
+    group_id = np.asarray(group_id)
+    columns, prompts = [], []
+    for b in range(len(group_id)):
+        if prompt_len[b] >= 0 and group_id[b] not in columns:
+            columns.append(group_id[b])
+            prompts.append(np.asarray(tokens[b, :prompt_len[b]]))
+    N, n = len(columns), len(rows)
+    reasons = [np.asarray(tokens[r, prompt_len[r]:prompt_len[r] + reason_len[r]]) for r in rows]
+    longest = max(len(p) for p in prompts) + max(len(x) for x in reasons)
+    L = -(-longest // bucket) * bucket
+    pair_tokens = np.zeros((n * N, L), np.int32)
+    pair_valid = np.zeros((n * N, L), bool)
+    score = np.zeros((n * N, L), bool)
+    for i, r in enumerate(reasons):
+        for j, p in enumerate(prompts):
+            k, P, R = i * N + j, len(p), len(r)
+            pair_tokens[k, :P], pair_tokens[k, P:P + R] = p, r
+            pair_valid[k, :P + R] = True
+            score[k, P:P + R] = True
+    own = np.array([columns.index(group_id[r]) for r in rows])
+    same = np.array([[len(a) == len(b) and bool((a == b).all()) for b in prompts]
+                     for a in prompts])
+    return pair_tokens, pair_valid, score, own, same
+
+
+def make_scorer(cfg, micro: int, chunk: int = 0, temperature: float = 1.0,
+                compiler_options=None):
+    """jitted (params, tokens int32[P,L], valid, score_mask) -> (sum f32[P], count f32[P]): each
+    sequence's summed log-prob of its score_mask tokens under the policy at `temperature` (the
+    training forward's `token_logprobs`), `micro` sequences at a time (P a multiple of it)."""
+    def one(params, tokens, valid, mask):
+        logp, _ = update_lib.token_logprobs(params, cfg, tokens, valid, chunk, temperature)
+        return jnp.where(mask, logp, 0.0).sum(axis=1), mask.sum(axis=1).astype(jnp.float32)
+
+    def score(params, tokens, valid, mask):
+        split = lambda x: x.reshape((-1, micro) + x.shape[1:])
+        s, c = jax.lax.map(lambda xs: one(params, *xs), (split(tokens), split(valid),
+                                                           split(mask)))
+        return s.reshape(-1), c.reshape(-1)
+    return jax.jit(score, compiler_options=compiler_options)
+
+
+class TemplateCollapse:
+    """The per-step diagnostic of a run: `due(n)` on RAGEN-2's steps (the first, then every
+    `freq`-th), `__call__(params, traj, seed, n)` -> the collapse/ scalars of that batch (before
+    the update, with the params that sampled it)."""
+
+    def __init__(self, cfg, token_bytes, *, freq: int, samples: int, micro: int,
+                 thinking: bool, chunk: int = 0, temperature: float = 1.0,
+                 compiler_options=None):
+        self.freq, self.samples, self.micro, self.thinking = freq, samples, micro, thinking
+        self.token_bytes = token_bytes
+        self.score = make_scorer(cfg, micro, chunk, temperature, compiler_options)
+
+    def due(self, n: int) -> bool:
+        return self.freq > 0 and (n == 1 or n % self.freq == 0)
+
+    def cross_scores(self, params, tokens, group_id, rows, prompt_len, reason_len, capacity):
+        """(mean f32[n,N], sum f32[n,N], own int[n], same bool[N,N]) of reasoning rows `rows`.
+        The forward always runs `capacity` x N sequences (whole micro-batches), however many
+        rows had reasoning: the padding sequences score nothing, and the shape stays static."""
+        pt, pv, pm, own, same = build_pairs(tokens, group_id, prompt_len, reason_len, rows)
+        P = pt.shape[0]
+        pad = capacity * same.shape[0] - P
+        pad += -(P + pad) % self.micro
+        pt, pv, pm = (np.pad(x, ((0, pad), (0, 0))) for x in (pt, pv, pm))
+        pv[P:, 0] = True  # a padding sequence attends to one token (no empty softmax)
+        s, c = sharding.to_host(self.score(params, pt, pv, pm))
+        n, N = len(rows), same.shape[0]
+        s = s[:P].reshape(n, N)
+        return s / np.maximum(c[:P].reshape(n, N), 1), s, own, same
+
+    def __call__(self, params, traj, seed: int, n: int) -> dict:
+        host = sharding.to_host({"tokens": traj.tokens, "loss_mask": traj.loss_mask,
+                                 "turn_index": traj.turn_index, "length": traj.length,
+                                 "group_id": traj.group_id})
+        prompt_len, reason_len = first_turn_spans(host["tokens"], host["loss_mask"],
+                                                  host["turn_index"], host["length"],
+                                                  self.thinking, self.token_bytes)
+        usable = np.flatnonzero(reason_len > 0)
+        B = len(reason_len)
+        out = {"collapse/first_turn_num_total": float(B),
+               "collapse/first_turn_num_valid": float(usable.size),
+               "collapse/first_turn_valid_rate": usable.size / B}
+        columns = len(set(host["group_id"][prompt_len >= 0].tolist()))
+        if usable.size == 0 or columns < 2:  # RAGEN-2: fewer than 2 prompts say nothing
+            return out
+        rows = usable
+        if usable.size > self.samples:  # a fixed stream per (seed, step): resumes repeat it
+            rng = np.random.default_rng([seed, n])
+            rows = np.sort(rng.choice(usable, self.samples, replace=False))
+        mean, total, own, same = self.cross_scores(params, host["tokens"], host["group_id"],
+                                                   rows, prompt_len, reason_len,
+                                                   min(self.samples, B))
+        out.update(mi_metrics(mean, own, total, same))
+        out["collapse/num_samples"] = float(len(rows))
+        return out

@@ -34,6 +34,7 @@ import numpy as np
 
 import envs
 from starpo import checkpoint as ckpt_lib
+from starpo import collapse as collapse_lib
 from starpo import config_check
 from starpo import dialogue
 from starpo import evaluate
@@ -62,7 +63,9 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "model.remat_policy", "model.attention", "mesh.data", "mesh.fsdp",
                      "mesh.tensor", "mesh.distributed", "mesh.coordinator_address",
                      "mesh.num_processes", "mesh.process_id", "mesh.init_timeout_s",
-                     "val.batch_size", "trainer.memory_check")
+                     "val.batch_size", "trainer.memory_check", "trainer.collapse_mi_freq",
+                     "trainer.collapse_mi_samples", "trainer.collapse_mi_micro_batch",
+                     "trainer.collapse_mi_warn")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
@@ -71,7 +74,9 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
               "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10,
               "model.init_from": "",
-              "rollout.context_window_mode": "full", "rollout.max_context_window": -1}
+              "rollout.context_window_mode": "full", "rollout.max_context_window": -1,
+              "trainer.collapse_mi_freq": 0, "trainer.collapse_mi_samples": 64,
+              "trainer.collapse_mi_micro_batch": 16, "trainer.collapse_mi_warn": 0.01}
 
 
 # ----------------------------------------------------------------------------- config
@@ -431,10 +436,13 @@ def play_batch(exp: Experiment, params, key, seed_counter: int):
                                  "rollout/filter_groups_kept": float(min(found, G))}
 
 
-def train_step(exp: Experiment, state, step: int, seed_counter: int | None = None):
+def train_step(exp: Experiment, state, step: int, seed_counter: int | None = None,
+               template=None):
     """One rollout -> update iteration. Returns (state, scalars); scalars["env/seed_counter"]
     is the level seed counter after it (by default the step's batch starts at
-    step * env_groups, as it does unless dynamic sampling played more batches)."""
+    step * env_groups, as it does unless dynamic sampling played more batches).
+    template: a `collapse.TemplateCollapse` (trainer.collapse_mi_freq > 0): on its steps the
+    batch's collapse/ scalars, scored with the params that sampled it, before the update."""
     c = exp.config
     t0 = time.perf_counter()
     k_roll, k_update = step_keys(c.seed, step)
@@ -443,12 +451,19 @@ def train_step(exp: Experiment, state, step: int, seed_counter: int | None = Non
     (traj, m), seed_counter, dyn = play_batch(exp, state.actor_params, k_roll, seed_counter)
     traj = jax.block_until_ready(traj)
     t1 = time.perf_counter()
+    t_roll = t1 - t0
     lengths = sharding.to_host(traj.length)  # [B]: the one host transfer before the update
     trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1], c.trainer.context_bucket)
+    diagnostic = {}
+    if template is not None and template.due(step + 1):  # the update donates the params
+        diagnostic = template(state.actor_params, traj, c.seed, step + 1)
+        diagnostic["timing/collapse"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
     state, um = exp.update(state, traj.truncate(trained), k_update)
     um = sharding.to_host(um)
     t2 = time.perf_counter()
     out = {k: float(v) for k, v in um.items()}
+    out.update(diagnostic)
     for name, value in evaluate.summarize_mix(traj, m, exp.mix, c.rollout.group_size).items():
         out[f"train/{name}"] = value
     generated = sum(out[f"train/{tag}/generated_tokens"] for tag, _ in exp.mix)
@@ -461,8 +476,8 @@ def train_step(exp: Experiment, state, step: int, seed_counter: int | None = Non
     mini, k = update_lib.num_updates(exp.algo, N)
     kept_tokens = float(lengths.sum()) * N / traj.tokens.shape[0]
     out.update({
-        "timing/rollout": t1 - t0, "timing/update": t2 - t1, "timing/step": t2 - t0,
-        "perf/rollout_tokens_per_s": generated / (t1 - t0),
+        "timing/rollout": t_roll, "timing/update": t2 - t1, "timing/step": t2 - t0,
+        "perf/rollout_tokens_per_s": generated / t_roll,
         "perf/update_tokens_per_s": kept_tokens * k * mini / N / (t2 - t1),
         "perf/update_context": float(trained),
         "env/seed_counter": float(seed_counter), **dyn,
@@ -677,13 +692,17 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
         bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
                    desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
         done_here = 0
+        template = template_collapse(config, exp)
         for step in bar:
-            state, scalars = train_step(exp, state, step, counter)
+            state, scalars = train_step(exp, state, step, counter, template)
             counter = int(scalars["env/seed_counter"])
             n = step + 1
             collapse = detector.update(scalars.get(std_name, float("nan")),
                                        scalars.get("actor/entropy", float("nan")))
             scalars["warning/echo_trap"] = float(collapse)
+            if "collapse/mi_estimate" in scalars:  # RAGEN-2's diagnostic ran this step
+                scalars["warning/template_collapse"] = float(
+                    collapse_lib.warns(scalars, config.trainer.collapse_mi_warn))
             if v.test_freq > 0 and n % v.test_freq == 0:
                 scalars.update(validate(exp, state.actor_params, writer, n))
             writer.write(n, scalars)
@@ -694,6 +713,12 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
             if collapse:
                 say(f"warning: step {n}: reward std and entropy both fell sharply (Echo Trap); "
                     "consider a lower lr, the StarPO-S filter or a critic")
+            if scalars.get("warning/template_collapse"):
+                say(f"warning: step {n}: template collapse: the first reply hardly depends on "
+                    f"the prompt (MI estimate {scalars['collapse/mi_estimate']:.4f} nats per "
+                    f"token < trainer.collapse_mi_warn {config.trainer.collapse_mi_warn}, "
+                    f"retrieval {scalars['collapse/retrieval_accuracy']:.2f} vs chance "
+                    f"{scalars['collapse/retrieval_chance_level']:.2f})")
             done_here += 1
             end = (n == total or stop.requested or (stop_after is not None and done_here >= stop_after)
                    or (collapse and config.trainer.stop_on_collapse))
@@ -707,6 +732,21 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
     writer.close()
     ckpt.close()
     return last
+
+
+def template_collapse(config, exp: Experiment):
+    """RAGEN-2's template-collapse diagnostic of a run (starpo/collapse.py), or None when
+    `trainer.collapse_mi_freq` is 0 (nothing built, nothing run). It scores with the update's
+    model (dtype, logit chunks, temperature) in micro-batches of `collapse_mi_micro_batch`."""
+    t = config.trainer  # the run's (its knobs may differ from those `exp` was built with)
+    if t.get("collapse_mi_freq", 0) <= 0:
+        return None
+    return collapse_lib.TemplateCollapse(
+        exp.policy.cfg.replace(dtype=phase_dtypes(exp.config)["update"]),
+        exp.policy.tokenizer.token_bytes(), freq=t.collapse_mi_freq,
+        samples=t.collapse_mi_samples, micro=t.collapse_mi_micro_batch,
+        thinking=config.rollout.enable_think, chunk=exp.algo.logit_chunk_size,
+        temperature=exp.algo.temperature, compiler_options=exp.compiler_options)
 
 
 def state_step(state) -> int:

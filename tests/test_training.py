@@ -134,3 +134,36 @@ def test_export_and_eval_of_a_trained_run(bandit_trained, tmp_path):
     assert result["step"] == step and result["groups"] == 64
     assert result["results"]["Bandit"]["success"] >= 0.9
     assert "Bandit" in p.stdout and "success" in p.stdout  # the table
+
+
+def test_template_collapse_metrics_are_logged_on_ragen2s_steps(bandit_run, tmp_path):
+    """trainer.collapse_mi_freq=2: collapse/ scalars on steps 1 and 2 (RAGEN-2: the first step,
+    then every freq-th), not on step 3; the default (0) builds nothing. A Bandit level's prompt
+    differs only in the arm order (two prompts), so the chance level lies between 1/N and 1.
+    With a threshold no MI estimate reaches, the warning fires on every step whose prompts
+    differ, and its line is printed."""
+    config, exp = bandit_run
+    assert training.template_collapse(config, exp) is None
+    config = with_changes(config, trainer__total_steps=3, trainer__collapse_mi_freq=2,
+                          trainer__collapse_mi_samples=16, trainer__collapse_mi_warn=100.0,
+                          val__before_train=False, val__test_freq=0)
+    said = []
+    training.train(config, str(tmp_path / "run"), progress=False, experiment=exp,
+                   log=said.append)
+    rows = metrics.read_jsonl(os.path.join(str(tmp_path / "run"), "metrics.jsonl"))
+    logged = [r["step"] for r in rows if "collapse/mi_estimate" in r]
+    assert logged == [1, 2], logged
+    B, N = config.rollout.env_groups * config.rollout.group_size, config.rollout.env_groups
+    for r in rows[:2]:
+        print({k: round(v, 5) for k, v in r.items() if k.startswith("collapse/")})
+        assert r["collapse/first_turn_num_total"] == B == r["collapse/first_turn_num_valid"]
+        assert r["collapse/num_samples"] == 16
+        assert r["collapse/mi_upper_bound"] == pytest.approx(math.log(N))
+        assert r["collapse/mi_estimate"] <= math.log(N)
+        assert 1 / N <= r["collapse/retrieval_chance_level"] <= 1
+        assert 0 <= r["collapse/retrieval_accuracy"] <= 1
+        assert r["collapse/conditional_entropy_est"] > 0 and r["timing/collapse"] > 0
+        assert r["warning/template_collapse"] == float(r["collapse/retrieval_chance_level"] < 1)
+    assert "warning/template_collapse" not in rows[2]
+    warned = [s for s in said if "template collapse" in s]
+    assert len(warned) == sum(r["warning/template_collapse"] for r in rows[:2]) > 0, said
