@@ -205,6 +205,14 @@ BAD = {
     "algorithm.logit_chunk_size": ["x", "-1"],
     "rollout.context_window_mode": ["everything", "1"],
     "rollout.max_context_window": ["x", "0", "-2"],
+    "model.init_from": ["/no/such/run"],
+    "sft.steps": ["x", "-1"],
+    "sft.env_groups": ["x", "0"],
+    "sft.lr": ["x", "0", "nan"],
+    "sft.warmup_steps": ["x", "-1"],
+    "sft.actions_per_turn": ["x", "-1"],
+    "sft.test_freq": ["x", "-1"],
+    "sft.save_freq": ["x", "-1"],
 }
 def parse(argv):
     """What `launch/train.py` does with its command line before `main`: -> config or UsageError."""
