@@ -129,6 +129,9 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         num_processes=0,
         process_id=-1,
         init_timeout_s=300,  # seconds to wait for every process to join (then one-line error)
+        # a process silent for this long (killed, crashed, hung) stops the others with a
+        # one-line error naming it (exit status 3) instead of leaving them in a collective
+        heartbeat_timeout_s=60,
     ))
 
     c.env = ml_collections.ConfigDict(dict(

@@ -79,6 +79,7 @@ RULES = {
     "mesh.num_processes": within(0, note="0 = JAX detects it"),
     "mesh.process_id": within(-1, note="-1 = JAX detects it"),
     "mesh.init_timeout_s": within(1),
+    "mesh.heartbeat_timeout_s": within(2),
     "env.name": one_of(*envs.NAMES),
     "rollout.env_groups": within(1),
     "rollout.group_size": within(1),
@@ -143,7 +144,8 @@ def check(config) -> None:
 
     check_rules(RULES, lambda key: _get(config, key))
     _guard("mesh", sharding.check_cluster, config.mesh.coordinator_address,
-           config.mesh.num_processes, config.mesh.process_id, config.mesh.init_timeout_s)
+           config.mesh.num_processes, config.mesh.process_id, config.mesh.init_timeout_s,
+           config.mesh.get("heartbeat_timeout_s", 60))
 
     _guard("model.path", weights.model_kind, config.model.path)
     if config.model.init_from:

@@ -25,11 +25,14 @@ Multi-host (TPU pod slices, SLURM / GPU clusters): `initialize_distributed` call
 config names them (`mesh.coordinator_address`, `mesh.num_processes`, `mesh.process_id`). Every
 process runs the same program over the global mesh; nothing is fed from the host: levels are
 generated on device from seeds inside the jitted rollout, so each device produces exactly its own
-rows. `to_host` brings (small) results back to every process.
+rows. `to_host` brings (small) results back to every process. Faults: `processes_flagging`
+lets every process stop at the same step when any one got SIGTERM (training's loop), and
+`Liveness` stops all of them with a one-line error when one dies or hangs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -291,7 +294,8 @@ def explicit_cluster(coordinator_address: str = "", num_processes: int = 0,
 
 
 def check_cluster(coordinator_address: str = "", num_processes: int = 0,
-                  process_id: int = -1, init_timeout_s: int = 300) -> None:
+                  process_id: int = -1, init_timeout_s: int = 300,
+                  heartbeat_timeout_s: int = 60) -> None:
     """Raise ValueError (one line, naming the key) for a process layout that cannot work."""
     if num_processes < 0 or (num_processes == 0) != (process_id == -1):
         raise ValueError(f"mesh.num_processes and mesh.process_id are set together (>= 1 and "
@@ -307,6 +311,8 @@ def check_cluster(coordinator_address: str = "", num_processes: int = 0,
                              f"{coordinator_address!r}")
     if init_timeout_s < 1:
         raise ValueError(f"mesh.init_timeout_s must be >= 1, got {init_timeout_s}")
+    if heartbeat_timeout_s < 2:
+        raise ValueError(f"mesh.heartbeat_timeout_s must be >= 2, got {heartbeat_timeout_s}")
 
 
 def wait_for_coordinator(address: str, timeout_s: float) -> None:
@@ -332,17 +338,21 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
 
 def initialize_distributed(mode: str = "auto", environ=None, *, coordinator_address: str = "",
                            num_processes: int = 0, process_id: int = -1,
-                           init_timeout_s: int = 300) -> bool:
+                           init_timeout_s: int = 300, heartbeat_timeout_s: int = 60) -> bool:
     """Call `jax.distributed.initialize()` when launched as several processes.
 
     mode: "auto" (when the process layout is given, or `multi_process_environment()`), "on"
     (always), "off" (never). The layout left unset ("", 0, -1) is JAX's to detect (TPU pod
     slices, SLURM, Open MPI, GKE). CPU devices talk across processes through gloo, the
-    default of `jax_cpu_collectives_implementation` in every supported jax. Must run before anything touches a device. Returns whether
-    it initialised; a bad layout or an unreachable coordinator raises ValueError (one line)."""
+    default of `jax_cpu_collectives_implementation` in every supported jax. Must run before
+    anything touches a device. Returns whether it initialised; a bad layout or an unreachable
+    coordinator raises ValueError (one line). Then `Liveness` watches the other processes
+    (`heartbeat_timeout_s`); JAX's own heartbeat check, which aborts the process with a page
+    of native log, gets twice as long (plus 10 s) as a backstop."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"mesh.distributed must be auto, on or off, got {mode!r}")
-    check_cluster(coordinator_address, num_processes, process_id, init_timeout_s)
+    check_cluster(coordinator_address, num_processes, process_id, init_timeout_s,
+                  heartbeat_timeout_s)
     explicit = explicit_cluster(coordinator_address, num_processes, process_id)
     if mode == "off" or (mode == "auto" and not explicit
                          and not multi_process_environment(environ)):
@@ -352,5 +362,160 @@ def initialize_distributed(mode: str = "auto", environ=None, *, coordinator_addr
     jax.distributed.initialize(coordinator_address=coordinator_address or None,
                                num_processes=num_processes or None,
                                process_id=None if process_id < 0 else process_id,
-                               initialization_timeout=int(init_timeout_s))
+                               initialization_timeout=int(init_timeout_s),
+                               heartbeat_timeout_seconds=int(2 * heartbeat_timeout_s + 10))
+    if jax.process_count() > 1:
+        warm_up_collectives()
+        Liveness.start(heartbeat_timeout_s)
     return True
+
+
+def warm_up_collectives() -> None:
+    """One reduction over every device of every process and one all-gather across processes,
+    right after joining, while the processes are in step. On CPU, gloo sets up each group of
+    devices at its first collective and gives the others a fixed 30 s to arrive (jaxlib 0.7
+    and 0.10): processes that compile the first training step at different speeds (a busy
+    machine) missed it, seen here. A group set up once is reused by later programs, however
+    long a process then waits (measured: 45 s). Covers the group of all devices (a pure-FSDP
+    or pure-data mesh) and `processes_flagging`'s; other sub-groups still set up on first use."""
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices, ("all",))
+    ones = jax.make_array_from_callback((devices.size,), NamedSharding(mesh, P("all")),
+                                        lambda index: np.ones(devices.size, np.int32)[index])
+    total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))(ones)
+    if int(np.asarray(total.addressable_data(0))) != devices.size:
+        raise ValueError(f"a reduction over the {devices.size} devices of "
+                         f"{jax.process_count()} processes gave a wrong result")
+    processes_flagging(False)
+
+
+
+# ----------------------------------------------------------------------------- faults
+EXIT_STOPPED = 75  # stopped on SIGTERM / Ctrl-C after saving a checkpoint (EX_TEMPFAIL: rerun)
+EXIT_PEER_LOST = 3  # another process of the run died, hung or failed
+
+
+class Liveness:
+    """Every process of a multi-process run watches the others, so that one lost process stops
+    all of them with a one-line error instead of leaving them waiting in a collective.
+
+    A daemon thread writes a counter under `starpo/alive/<id>` in JAX's coordination key-value
+    store every `timeout_s / 10` seconds and reads everyone's. A process whose counter has not
+    moved for `timeout_s` (SIGKILL, a crash, a hang outside Python's reach) or that says it
+    failed makes each other process print `error: ...` naming it and exit with EXIT_PEER_LOST
+    (os._exit: the main thread may be stuck in a collective that will never complete). A
+    process that ends its run cleanly says so (`finish`) and is no longer watched.
+
+    Why not JAX's own heartbeats: when they lapse the runtime aborts the process with a page of
+    native log (SIGABRT), and jaxlib's hook for a custom callback fails to convert its status
+    (std::bad_cast, seen in jaxlib 0.7.1 and 0.10.2). They remain the backstop. Not covered:
+    process 0 itself dying takes the coordination service with it; the others then abort
+    within about a second with JAX's native "Terminating process because the JAX distributed
+    service detected fatal errors" (exit status 134)."""
+
+    _current: Liveness | None = None
+    PREFIX = "starpo/alive/"
+
+    def __init__(self, client, me: int, count: int, timeout_s: float):
+        self.client, self.me, self.count, self.timeout_s = client, me, count, float(timeout_s)
+        self.state = "running"  # -> "done" | "failed" | "left" (stopped by the watch)
+        self.exit_code = 1
+        self._beat = 0
+
+    @classmethod
+    def start(cls, timeout_s: float) -> Liveness:
+        import threading
+
+        from jax._src import distributed  # the client of jax.distributed.initialize
+
+        watch = cls(distributed.global_state.client, jax.process_index(), jax.process_count(),
+                    timeout_s)
+        watch._publish()
+        threading.Thread(target=watch._loop, name="starpo-liveness", daemon=True).start()
+        cls._current = watch
+        return watch
+
+    @classmethod
+    def finish(cls, ok: bool = True, exit_code: int = 1) -> None:
+        """This process is done (ok) or failed (exit_code: the status it will exit with):
+        the others stop watching it, or stop too."""
+        watch = cls._current
+        if watch is not None and watch.state == "running":
+            watch.state, watch.exit_code = ("done" if ok else "failed"), exit_code
+            watch._publish()
+
+    @classmethod
+    def verdict(cls) -> None:
+        """After a runtime error, which may be a collective that lost its peer (gloo fails at
+        once with "Connection reset by peer", not naming the process): give the watch time to
+        name a lost process (it then exits with EXIT_PEER_LOST); return if none is lost."""
+        watch = cls._current
+        if watch is not None and watch.state == "running":
+            time.sleep(watch.timeout_s * 1.3)
+
+    def _publish(self) -> None:
+        self._beat += 1
+        value = str(self._beat) if self.state == "running" else self.state
+        self.client.key_value_set(f"{self.PREFIX}{self.me}", value, allow_overwrite=True)
+
+    def _exit(self, message: str | None, code: int) -> None:
+        import sys
+
+        if self.state == "running":  # tell the others this one is leaving
+            self.state = "left"
+            with contextlib.suppress(Exception):  # the service may be gone too
+                self._publish()
+        if message:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+    def _loop(self) -> None:
+        period = self.timeout_s / 10
+        seen = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}
+        while True:
+            time.sleep(period)
+            try:
+                self._publish()
+                values = dict(self.client.key_value_dir_get(self.PREFIX))
+            except Exception as e:  # the coordination service (process 0) is gone
+                if self.state == "done":  # shut down at the end of a finished run
+                    return
+                if self.state == "running":
+                    self._exit(f"lost the coordination service on process 0 ({e}); stopping "
+                               f"process {self.me} too", EXIT_PEER_LOST)
+                self._exit(None, self.exit_code)
+            now = time.monotonic()
+            for p, (last, since) in list(seen.items()):
+                value = values.get(f"{self.PREFIX}{p}", values.get(str(p)))
+                if value == "done":
+                    del seen[p]
+                elif value in ("failed", "left"):
+                    if self.state == "running":
+                        why = ("failed (its own output says why)" if value == "failed" else
+                               "stopped after losing another process")
+                        self._exit(f"process {p} of {self.count} {why}; stopping process "
+                                   f"{self.me} too", EXIT_PEER_LOST)
+                    del seen[p]
+                elif value != last:
+                    seen[p] = (value, now)
+                elif now - since > self.timeout_s:
+                    if self.state == "running":
+                        self._exit(f"process {p} of {self.count} is lost: no sign of life for "
+                                   f"{now - since:.0f} s (mesh.heartbeat_timeout_s="
+                                   f"{self.timeout_s:g}; killed, crashed or hung); stopping "
+                                   f"process {self.me} too", EXIT_PEER_LOST)
+                    del seen[p]
+            if self.state == "failed" and not seen:  # the others have gone: do not wait on
+                self._exit(None, self.exit_code)    # JAX's shutdown barrier for them
+
+
+def processes_flagging(flag: bool) -> list[int]:
+    """The ids of the processes whose `flag` is set, the same list on every process (an
+    all-gather: every process must call this at the same point). One process: no collective."""
+    if jax.process_count() == 1:
+        return [0] if flag else []
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.asarray([int(bool(flag))], np.int32))
+    return [int(p) for p in np.flatnonzero(np.asarray(flags).reshape(-1))]

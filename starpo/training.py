@@ -65,7 +65,8 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "mesh.num_processes", "mesh.process_id", "mesh.init_timeout_s",
                      "val.batch_size", "trainer.memory_check", "trainer.collapse_mi_freq",
                      "trainer.collapse_mi_samples", "trainer.collapse_mi_micro_batch",
-                     "trainer.collapse_mi_warn")
+                     "trainer.collapse_mi_warn", "mesh.heartbeat_timeout_s", "sft.test_freq",
+                     "sft.save_freq")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
@@ -76,7 +77,8 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "model.init_from": "",
               "rollout.context_window_mode": "full", "rollout.max_context_window": -1,
               "trainer.collapse_mi_freq": 0, "trainer.collapse_mi_samples": 64,
-              "trainer.collapse_mi_micro_batch": 16, "trainer.collapse_mi_warn": 0.01}
+              "trainer.collapse_mi_micro_batch": 16, "trainer.collapse_mi_warn": 0.01,
+              "mesh.heartbeat_timeout_s": 60}
 
 
 # ----------------------------------------------------------------------------- config
@@ -486,6 +488,16 @@ def train_step(exp: Experiment, state, step: int, seed_counter: int | None = Non
 
 
 # ----------------------------------------------------------------------------- the run
+class Stopped(Exception):
+    """The run stopped early on SIGTERM / Ctrl-C (to any one of its processes) after saving a
+    checkpoint at `.step`; the message is one line. `launch/train.py` exits with status
+    `sharding.EXIT_STOPPED` (75)."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
 class _Stop:
     """SIGTERM / Ctrl-C: finish the current step, checkpoint, exit. A second Ctrl-C aborts."""
 
@@ -691,7 +703,7 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
             log(metrics_lib.summary_line(0, total, last, keys))
         bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
                    desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-        done_here = 0
+        done_here, n, stoppers = 0, start, []
         template = template_collapse(config, exp)
         for step in bar:
             state, scalars = train_step(exp, state, step, counter, template)
@@ -720,17 +732,24 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
                     f"retrieval {scalars['collapse/retrieval_accuracy']:.2f} vs chance "
                     f"{scalars['collapse/retrieval_chance_level']:.2f})")
             done_here += 1
-            end = (n == total or stop.requested or (stop_after is not None and done_here >= stop_after)
+            # every process stops at the same step (each saves its shards of that checkpoint,
+            # orbax waits for all), whichever of them got the signal
+            stoppers = sharding.processes_flagging(stop.requested)
+            end = (n == total or bool(stoppers)
+                   or (stop_after is not None and done_here >= stop_after)
                    or (collapse and config.trainer.stop_on_collapse))
             if end or (config.trainer.save_freq > 0 and n % config.trainer.save_freq == 0):
                 save(n)
             if end:
                 break
         bar.close()
-        if stop.requested:
-            log(f"stopped at step {state_step(state)}; the same command resumes the run")
     writer.close()
     ckpt.close()
+    if stoppers and n < total:
+        who = (f" (on process {', '.join(map(str, stoppers))})" if jax.process_count() > 1
+               else "")
+        raise Stopped(n, f"stopped on request{who}: checkpoint saved at step {n} of {total}; "
+                         f"the same command resumes the run")
     return last
 
 

@@ -106,6 +106,7 @@ BAD = {
     "mesh.num_processes": ["x", "-1", "2"],  # 2 without a process_id
     "mesh.process_id": ["x", "-2", "0"],  # 0 without num_processes
     "mesh.init_timeout_s": ["x", "0"],
+    "mesh.heartbeat_timeout_s": ["x", "1"],
     "env.name": ["Chess"],
     "env.mix": ["Chess:8", "FrozenLake:x", "FrozenLake:1"],
     "env.options.size": ["x", "1", "64"],

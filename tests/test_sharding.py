@@ -116,6 +116,7 @@ def test_multi_process_launches_are_detected():
     ({"num_processes": -1, "process_id": 0}, "set together"),
     ({"coordinator_address": "10.0.0.1"}, "HOST:PORT"),
     ({"coordinator_address": "10.0.0.1:99999"}, "HOST:PORT"),
+    ({"heartbeat_timeout_s": 1}, "mesh.heartbeat_timeout_s must be >= 2, got 1"),
 ])
 def test_a_bad_process_layout_is_a_one_line_error_before_any_work(layout, words):
     for mode in ("auto", "on", "off"):  # checked even where it would not be used
