@@ -3,9 +3,10 @@
 - (no variant): the paper's run (8 groups x 16 episodes, 5 turns, 400 tokens per turn, PPO with
   a critic, StarPO-S filter 0.25, decoupled clipping), for an accelerator.
 - cpu: the embedded SmolLM2-135M on a 2-core laptop: fewer, shorter episodes, answers without
-  thinking. It runs, but SmolLM2-135M almost never writes an action name after `<answer>` (it
-  copies the grid: 0 of 32 episodes valid at temperature 1), so there is no reward signal; use
-  a larger model (`--config.model.path`) for a FrozenLake run that learns.
+  thinking, after a supervised warm start on the solver's demonstrations (starpo/sft.py).
+  Untrained, SmolLM2-135M almost never writes an action name after `<answer>` (it copies the
+  grid: 0 of 32 episodes valid at temperature 1), so RL alone gets no reward signal; 10 SFT
+  steps of 8 demonstrations make every validation answer valid (README).
 - tiny: a random-init tiny model on a non-slippery 3x3 lake, thinking off, one episode per level
   with a batch baseline; learns the format, then to read the grid, in minutes on CPU (its
   curves per seed: README; the learning test runs 120 steps).
@@ -23,6 +24,9 @@ def get_config(arg=None):
     c = common.base("FrozenLake", OPTIONS)
     if v == "cpu":
         common.cpu(c)
+        # 20 steps of 8 solver episodes at 5e-5 (a few hundred demonstrations), then RL: valid
+        # answers 0.0 -> 1.0 by SFT step 10 (README, "Supervised warm start")
+        c.sft.update(dict(steps=20, env_groups=8, lr=5e-5, test_freq=10, save_freq=10))
     elif v == "tiny":
         common.tiny(c)
         # A 3x3 non-slippery lake (4x4 learns more slowly), where reading the grid pays far

@@ -148,3 +148,38 @@ def unknown_key_message(error: str, argv) -> str:
     hint = re.search(r'Did you mean "([^"]+)"', error)
     hint = f" (did you mean {hint.group(1)}?)" if hint else ""
     return f"unknown config key {key!r}{hint}" if key else f"unknown config key{hint}: {error}"
+
+
+def run_job(config, workdir: str, job):
+    """A training job (`job()`, e.g. `training.train`) of `config` in `workdir` as every
+    process of a run does it: join the other processes of `config.mesh` (a TPU pod slice or
+    a cluster) before touching devices, enable the compilation cache, announce the workdir
+    (process 0), then run. A run stopped on request (SIGTERM / Ctrl-C to any process: a
+    checkpoint is saved) exits with status 75; a failure tells the other processes, which stop
+    with a one-line error naming this one (exit status 3) instead of waiting for it."""
+    import jax
+
+    from starpo import sharding, training
+
+    m = config.mesh
+    sharding.initialize_distributed(m.distributed, coordinator_address=m.coordinator_address,
+                                    num_processes=m.num_processes, process_id=m.process_id,
+                                    init_timeout_s=m.init_timeout_s,
+                                    heartbeat_timeout_s=m.heartbeat_timeout_s)
+    training.enable_compilation_cache()
+    if jax.process_index() == 0:  # on several processes the first one alone prints
+        print(f"workdir: {workdir}  (tensorboard --logdir {workdir})")
+    try:
+        job()
+    except training.Stopped as e:
+        sharding.Liveness.finish()
+        if jax.process_index() == 0:
+            print(f"{e}", file=sys.stderr, flush=True)
+        sys.exit(sharding.EXIT_STOPPED)
+    except BaseException as e:  # the other processes stop now rather than wait for this one
+        if isinstance(e, jax.errors.JaxRuntimeError):  # a collective may have lost a process:
+            sharding.Liveness.verdict()  # say which (exit status 3) rather than this error
+        expected = isinstance(e, (ValueError, FileNotFoundError))  # common.run: status 2
+        sharding.Liveness.finish(ok=False, exit_code=2 if expected else 1)
+        raise
+    sharding.Liveness.finish()

@@ -32,22 +32,14 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["config"].present:
         raise ValueError("--config is required, e.g. --config=configs/frozenlake.py:cpu")
-    import jax
+    from starpo import sft
 
-    from starpo import sft, sharding, training
-
-    m = CONFIG.value.mesh
-    sharding.initialize_distributed(m.distributed, coordinator_address=m.coordinator_address,
-                                    num_processes=m.num_processes, process_id=m.process_id,
-                                    init_timeout_s=m.init_timeout_s)
-    training.enable_compilation_cache()
     spec = config_flags.get_config_filename(FLAGS["config"])
     path, _, variant = spec.partition(":")
     name = os.path.splitext(os.path.basename(path))[0] + (f"_{variant}" if variant else "")
     workdir = FLAGS.workdir or os.path.join("runs", name + "_sft")
-    if jax.process_index() == 0:
-        print(f"workdir: {workdir}  (tensorboard --logdir {workdir})")
-    sft.train_only(CONFIG.value, workdir, progress=FLAGS.progress)
+    common.run_job(CONFIG.value, workdir,
+                   lambda: sft.train_only(CONFIG.value, workdir, progress=FLAGS.progress))
 
 
 def cli():

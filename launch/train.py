@@ -18,7 +18,6 @@ its shards of each checkpoint.
 """
 
 import os
-import sys
 
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
     import _checkout  # noqa: F401
@@ -45,34 +44,11 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["config"].present:
         raise ValueError("--config is required, e.g. --config=configs/frozenlake.py:cpu")
-    import jax
+    from starpo import training
 
-    from starpo import sharding, training
-
-    # on a TPU pod slice or a cluster (several processes): join them before touching devices
-    m = CONFIG.value.mesh
-    sharding.initialize_distributed(m.distributed, coordinator_address=m.coordinator_address,
-                                    num_processes=m.num_processes, process_id=m.process_id,
-                                    init_timeout_s=m.init_timeout_s,
-                                    heartbeat_timeout_s=m.heartbeat_timeout_s)
-    training.enable_compilation_cache()
     workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
-    if jax.process_index() == 0:  # on several processes the first one alone prints
-        print(f"workdir: {workdir}  (tensorboard --logdir {workdir})")
-    try:
-        training.train(CONFIG.value, workdir, progress=FLAGS.progress)
-    except training.Stopped as e:
-        sharding.Liveness.finish()
-        if jax.process_index() == 0:
-            print(f"{e}", file=sys.stderr, flush=True)
-        sys.exit(sharding.EXIT_STOPPED)
-    except BaseException as e:  # the other processes stop now rather than wait for this one
-        if isinstance(e, jax.errors.JaxRuntimeError):  # a collective may have lost a process:
-            sharding.Liveness.verdict()  # say which (exit status 3) rather than this error
-        expected = isinstance(e, (ValueError, FileNotFoundError))  # common.run: status 2
-        sharding.Liveness.finish(ok=False, exit_code=2 if expected else 1)
-        raise
-    sharding.Liveness.finish()
+    common.run_job(CONFIG.value, workdir,
+                   lambda: training.train(CONFIG.value, workdir, progress=FLAGS.progress))
 
 
 def cli():

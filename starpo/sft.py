@@ -193,8 +193,8 @@ def summary_line(n: int, total: int, s: dict) -> str:
 def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=print,
         stop_after: int | None = None):
     """Run (or resume, or find finished) the SFT phase `phase` (a `build(config, exp)`) in
-    `workdir`; returns the trained actor params, or None when it was interrupted (checkpoint
-    saved)."""
+    `workdir`; returns the trained actor params, or None after `stop_after` steps of this call
+    (checkpoint saved). Raises `training.Stopped` on SIGTERM / Ctrl-C (checkpoint saved)."""
     from tqdm import tqdm
 
     from starpo import training
@@ -239,7 +239,7 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=p
             log(summary_line(0, total, scalars))
         bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
                    desc="sft", unit="step", dynamic_ncols=True, file=sys.stderr)
-        done_here = 0
+        done_here, n, stoppers = 0, start, []
         for step in bar:
             state, scalars = train_step(phase, exp, state, step)
             n = step + 1
@@ -249,8 +249,10 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=p
             writer.write(n, scalars)
             (bar.write if progress else log)(summary_line(n, total, scalars))
             done_here += 1
-            end = n == total or stop.requested or (stop_after is not None
-                                                  and done_here >= stop_after)
+            # every process stops at the same step, whichever of them got the signal
+            stoppers = sharding.processes_flagging(stop.requested)
+            end = n == total or bool(stoppers) or (stop_after is not None
+                                                   and done_here >= stop_after)
             if end or (config.sft.save_freq > 0 and n % config.sft.save_freq == 0):
                 save(n)
             if end:
@@ -258,11 +260,12 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=p
         bar.close()
     writer.close()
     ckpt.close()
-    if stop.requested or training.state_step(state) < total:
-        if stop.requested:
-            log(f"sft: stopped at step {training.state_step(state)}; the same command resumes")
-        return None
-    return state.actor_params
+    if stoppers and n < total:
+        who = (f" (on process {', '.join(map(str, stoppers))})" if jax.process_count() > 1
+               else "")
+        raise training.Stopped(n, f"SFT stopped on request{who}: checkpoint saved at SFT step "
+                                  f"{n} of {total}; the same command resumes the run")
+    return state.actor_params if n >= total else None
 
 
 def train_only(config, workdir: str, *, progress: bool = True, log=print):

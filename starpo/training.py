@@ -601,9 +601,13 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
                                  keep=config.trainer.keep_checkpoints)
     with jax.set_mesh(exp.mesh):  # programs trace with the mesh's activation shardings
         if phase is not None and ckpt.latest_step() is None:
-            params = sft.run(config, os.path.join(workdir, "sft"), exp, phase,
-                             progress=progress, log=log, stop_after=stop_after)
-            if params is None:  # interrupted: the same command resumes the SFT phase
+            try:
+                params = sft.run(config, os.path.join(workdir, "sft"), exp, phase,
+                                 progress=progress, log=log, stop_after=stop_after)
+            except Stopped:  # SIGTERM during SFT: its checkpoint is saved; RL has not begun
+                ckpt.close()
+                raise
+            if params is None:  # stopped after stop_after steps: the same call resumes it
                 ckpt.close()
                 return {}
             exp = with_actor(exp, params)
