@@ -32,6 +32,9 @@ flags.DEFINE_integer("group_size", None, "Episodes per level (default: val.group
 flags.DEFINE_float("temperature", None, "Sampling temperature (default: val.temperature; 0 = greedy).",
                    lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("batch_size", None, "Episodes played at once (default: val.batch_size, or "
+                     "when that is 0 and the set is larger than the config's validation set, "
+                     "that set's size: the memory the config was planned for).", lower_bound=0)
 FLAGS = flags.FLAGS
 
 
@@ -57,10 +60,16 @@ def main(argv):
     groups, size = FLAGS.groups or v.env_groups, FLAGS.group_size or v.group_size
     temperature = v.temperature if FLAGS.temperature is None else FLAGS.temperature
     batch_size = v.get("batch_size", 0)  # episodes played at once (0 = all), as in validation
+    if not batch_size and groups * size > v.env_groups * v.group_size:
+        batch_size = v.env_groups * v.group_size  # a larger set in chunks of the planned size
+    if FLAGS.batch_size is not None:
+        batch_size = FLAGS.batch_size
     try:
         rollout.chunk_size(groups * size, batch_size, size)
     except ValueError as e:
-        raise ValueError(f"val.{e} (--groups / --group_size change the set)") from None
+        where = "--" if FLAGS.batch_size is not None else "val."
+        raise ValueError(f"{where}{e} (--groups / --group_size change the set, --batch_size "
+                         f"the chunk)") from None
     policy = policy or training.load_policy(config)
     results = {}
     for tag in tags:

@@ -148,7 +148,8 @@ def test_eval_and_export_need_a_run(tmp_path):
                 "--groups=3")
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: val.batch_size 8 is not whole groups of 1 episodes dividing the 3 episodes "
-        "(0 = all at once) (--groups / --group_size change the set)"], p.stderr
+        "(0 = all at once) (--groups / --group_size change the set, --batch_size the chunk)"
+    ], p.stderr
 
 
 def test_a_run_saved_before_a_key_was_added_still_resumes():
