@@ -260,11 +260,7 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=p
         bar.close()
     writer.close()
     ckpt.close()
-    if stoppers and n < total:
-        who = (f" (on process {', '.join(map(str, stoppers))})" if jax.process_count() > 1
-               else "")
-        raise training.Stopped(n, f"SFT stopped on request{who}: checkpoint saved at SFT step "
-                                  f"{n} of {total}; the same command resumes the run")
+    training.raise_if_stopped(stoppers, n, total, "SFT step")
     return state.actor_params if n >= total else None
 
 

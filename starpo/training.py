@@ -749,12 +749,18 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
         bar.close()
     writer.close()
     ckpt.close()
+    raise_if_stopped(stoppers, n, total)
+    return last
+
+
+def raise_if_stopped(stoppers: list, n: int, total: int, what: str = "step") -> None:
+    """`Stopped` when processes `stoppers` asked to stop (SIGTERM / Ctrl-C) before the last
+    step: every process saved the checkpoint of `what` n."""
     if stoppers and n < total:
         who = (f" (on process {', '.join(map(str, stoppers))})" if jax.process_count() > 1
                else "")
-        raise Stopped(n, f"stopped on request{who}: checkpoint saved at step {n} of {total}; "
+        raise Stopped(n, f"stopped on request{who}: checkpoint saved at {what} {n} of {total}; "
                          f"the same command resumes the run")
-    return last
 
 
 def template_collapse(config, exp: Experiment):
