@@ -8,10 +8,12 @@
 config is used unless --config is given. Without --checkpoint the config's initial model is
 evaluated (e.g. the untrained SmolLM2). Levels come from the validation stream, seeds
 0..groups-1, the same for every run and checkpoint. The last line is one JSON object:
-{tag: {success, score, action_is_valid, ...}}.
+{"model", "step", ..., "results": {tag: {success, score, action_is_valid, ...}}}; --out=FILE
+also writes it to FILE (complete or not at all: launch/reproduce.py reads these).
 """
 
 import json
+import os
 import sys
 
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
@@ -35,6 +37,7 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("batch_size", None, "Episodes played at once (default: val.batch_size, or "
                      "when that is 0 and the set is larger than the config's validation set, "
                      "that set's size: the memory the config was planned for).", lower_bound=0)
+flags.DEFINE_string("out", None, "Also write the JSON line to this file.")
 FLAGS = flags.FLAGS
 
 
@@ -45,6 +48,14 @@ def main(argv):
 
     from starpo import config_check, evaluate, rollout, training
 
+    if FLAGS.out:  # an unwritable place fails now, not after the evaluation
+        folder = os.path.dirname(os.path.abspath(FLAGS.out))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {FLAGS.out}: {e.strerror}") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--out {FLAGS.out}: {folder} is not writable")
     training.enable_compilation_cache()
     if FLAGS.checkpoint:
         saved, policy, step = training.load_run(FLAGS.checkpoint, FLAGS.step)
@@ -81,8 +92,13 @@ def main(argv):
         print(f"{tag}: {groups} levels x {size} at temperature {temperature}: "
               f"success {results[tag]['success']:.3f}", file=sys.stderr)
     print(f"\n{policy.source}\n" + evaluate.format_table(results))
-    print(json.dumps({"model": policy.source, "step": step, "temperature": temperature,
-                      "groups": groups, "group_size": size, "results": results}))
+    line = json.dumps({"model": policy.source, "step": step, "temperature": temperature,
+                       "groups": groups, "group_size": size, "results": results})
+    print(line)
+    if FLAGS.out:  # written whole, then renamed: a reader never sees half a file
+        with open(FLAGS.out + ".tmp", "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+        os.replace(FLAGS.out + ".tmp", FLAGS.out)
 
 
 def cli():

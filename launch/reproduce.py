@@ -1,0 +1,412 @@
+"""Reproduce one of the paper's tables through the real entry points, and print it beside the paper's.
+
+  python launch/reproduce.py --table=main --model_path=/models/Qwen2.5-0.5B-Instruct --dry_run
+  python launch/reproduce.py --table=main --model_path=/models/Qwen2.5-0.5B-Instruct
+  python launch/reproduce.py --table=main --model_path=/models/Qwen2.5-0.5B-Instruct --print_only
+  python launch/reproduce.py --table=main --variant=tiny --steps=2     # a smoke run on a CPU
+
+--table: main (StarPO vs StarPO-S vs SFT on Bandit / FrozenLake / Sokoban), generalisation (the
+paper's Table 4), actions_per_turn (Table 3), responses_per_prompt (Table 2), or all. Each row is
+a run of `launch/train.py` (or `launch/sft.py` for SFT) with config overrides, in
+--workdir/<run>, then `launch/eval.py --out=...` on the held-out levels of every env variant the
+table reads from it (the config's validation set: 256 levels at temperature 0.5 as in the paper,
+unless --eval_groups). Runs are subprocesses, one after another; a finished run (its checkpoint
+at the last step) or evaluation (its JSON in <run>/eval/) is skipped, so the same command resumes
+an interrupted reproduction, and runs shared between tables (StarPO-S on Sokoban serves three)
+are trained once. --dry_run prints the commands (those already done commented out) and runs
+nothing; --print_only prints the table from the evaluations there are. The table gives our
+success (%) beside the paper's, then one JSON line.
+
+The rows, as config overrides of configs/<env>.py[:--variant] (the paper-sized config is
+StarPO-S: PPO with a critic, the std filter keeping a quarter of the groups, decoupled clipping):
+- StarPO-S: algorithm.adv_estimator=gae, rollout_filter_ratio=0.25, clip_ratio_low/high 0.2/0.28
+- StarPO: the same without StarPO-S's additions: GRPO (no critic), no filter (ratio 1.0),
+  symmetric clipping 0.2/0.2. (KL stays off in both, the reference's default.)
+- SFT: launch/sft.py on solver demonstrations, as many steps as the RL rows train.
+Every run of an env validates on the variants its tables read (Sokoban: SimpleSokoban,
+SokobanDifferentGridVocab, LargerSokoban, FrozenLake), which a tiny model's tokenizer needs too.
+The paper's sizes (Qwen2.5-0.5B, 8 x 16 episodes of 5 turns, 200 steps) need an accelerator;
+--variant=cpu / tiny run the same rows at those configs' sizes.
+"""
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
+    import _checkout  # noqa: F401
+
+from absl import flags  # noqa: E402
+
+from launch import common  # noqa: E402
+
+TABLE_NAMES = ("main", "generalisation", "actions_per_turn", "responses_per_prompt")
+flags.DEFINE_enum("table", None, (*TABLE_NAMES, "all"), "The paper's table to reproduce.")
+flags.DEFINE_string("model_path", "", "Model of every run: a Hugging Face directory, .gguf "
+                    "file, embedded name, tiny:... or random:... spec (default: the config's).")
+flags.DEFINE_enum("variant", "", ("", "cpu", "tiny"), "Config variant of every run "
+                  "(default: the paper-sized configs).")
+flags.DEFINE_string("workdir", "runs/repro", "Where the runs live, one folder each.")
+flags.DEFINE_bool("dry_run", False, "Print the commands, run nothing.")
+flags.DEFINE_bool("print_only", False, "Print the table from the finished evaluations.")
+flags.DEFINE_integer("steps", 0, "Training steps of every run (RL and SFT; 0 = the config's "
+                     "trainer.total_steps): short smoke runs.", lower_bound=0)
+flags.DEFINE_integer("eval_groups", 0, "Held-out levels per env variant (0 = the config's "
+                     "val.env_groups: 256 at the paper's size).", lower_bound=0)
+flags.DEFINE_list("rows", [], "Only these rows (labels as printed; default all).")
+flags.DEFINE_list("columns", [], "Only these columns (labels as printed; default all).")
+flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every training run, e.g. "
+                          "--set=model.dtype=bfloat16 (repeatable).")
+FLAGS = flags.FLAGS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG_FILE = {"Bandit": "bandit.py", "FrozenLake": "frozenlake.py", "SimpleSokoban": "sokoban.py"}
+# What each env's runs validate on, and what the tables evaluate them on.
+VAL_TAGS = {"Bandit": "Bandit,BanditTest", "FrozenLake": "FrozenLake",
+            "SimpleSokoban": "SimpleSokoban,SokobanDifferentGridVocab,LargerSokoban,FrozenLake"}
+# The paper's names of our env variants, where they differ.
+PAPER_NAME = {"SimpleSokoban": "Sokoban", "SokobanDifferentGridVocab": "NewVocab",
+              "LargerSokoban": "LargeSokoban", "BanditTest": "Bandit-Rev"}
+ALGORITHMS = {
+    "StarPO-S": {"adv_estimator": "gae", "rollout_filter_ratio": 0.25, "clip_ratio_low": 0.2,
+                 "clip_ratio_high": 0.28},
+    "StarPO": {"adv_estimator": "grpo", "rollout_filter_ratio": 1.0, "clip_ratio_low": 0.2,
+               "clip_ratio_high": 0.2},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run: `algo` (StarPO, StarPO-S or SFT) on `env` with a variation."""
+    algo: str
+    env: str
+    think: bool = True  # False: rollout.enable_think=False
+    actions: int = 0  # rollout.max_actions_per_turn (0 = the env's budget)
+    responses: int = 0  # rollout.group_size with the same episodes per batch (0 = the config's)
+
+    @property
+    def name(self) -> str:
+        return (f"{self.algo.lower()}_{self.env}" + ("" if self.think else "_nothink")
+                + (f"_actions{self.actions}" if self.actions else "")
+                + (f"_responses{self.responses}" if self.responses else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    run: Run
+    tag: str  # the env variant evaluated
+    paper: float | None  # the paper's success (%), None where it gives none
+    approx: bool = False  # read off a figure
+
+
+# The paper's numbers (RAGEN v1: Qwen2.5-0.5B-Instruct, 8 prompts x 16 trajectories, 200 steps,
+# success % on 256 held-out prompts at temperature 0.5; as REFERENCE.md section 6 lists them).
+def _tables():
+    def s(env, **kw):
+        return Run("StarPO-S", env, **kw)
+
+    sokoban_gen = ("Sokoban", "SimpleSokoban"), ("NewVocab", "SokobanDifferentGridVocab"), (
+        "LargeSokoban", "LargerSokoban"), ("FrozenLake", "FrozenLake")
+    bandit_gen = ("Bandit", "Bandit"), ("Bandit-Rev", "BanditTest")
+    return {
+        # Section 4's main comparison: StarPO-S 20.3 (Sokoban) / 21.8 (FrozenLake); SFT 74.6 /
+        # 23; vanilla StarPO peaks near 0.1 / 0.2 before it collapses (read off its figures);
+        # StarPO-S on Bandit: Table 4's 100.
+        "main": ("Main result: StarPO vs StarPO-S vs SFT, trained and evaluated on each env",
+                 ("Bandit", "FrozenLake", "Sokoban"), {
+                     "StarPO": {"Bandit": Cell(Run("StarPO", "Bandit"), "Bandit", None),
+                                "FrozenLake": Cell(Run("StarPO", "FrozenLake"), "FrozenLake",
+                                                   20.0, approx=True),
+                                "Sokoban": Cell(Run("StarPO", "SimpleSokoban"), "SimpleSokoban",
+                                                10.0, approx=True)},
+                     "StarPO-S": {"Bandit": Cell(s("Bandit"), "Bandit", 100.0),
+                                  "FrozenLake": Cell(s("FrozenLake"), "FrozenLake", 21.8),
+                                  "Sokoban": Cell(s("SimpleSokoban"), "SimpleSokoban", 20.3)},
+                     "SFT": {"Bandit": Cell(Run("SFT", "Bandit"), "Bandit", None),
+                             "FrozenLake": Cell(Run("SFT", "FrozenLake"), "FrozenLake", 23.0),
+                             "Sokoban": Cell(Run("SFT", "SimpleSokoban"), "SimpleSokoban",
+                                             74.6)}}),
+        # Table 4: trained on Sokoban 21.48 / 18.75 / 2.34 / 19.92 (no thinking 20.73 / 26.17 /
+        # 2.73 / 19.53); trained on Bandit 100 / 67.58 (no thinking 81.25 / 56.25).
+        "generalisation": ("Table 4: generalisation, StarPO-S trained on one env, evaluated on "
+                           + "its variants", tuple(c for c, _ in sokoban_gen + bandit_gen), {
+            "Sokoban": {c: Cell(s("SimpleSokoban"), t, p) for (c, t), p in
+                        zip(sokoban_gen, (21.48, 18.75, 2.34, 19.92))},
+            "Sokoban, no thinking": {c: Cell(s("SimpleSokoban", think=False), t, p) for (c, t), p
+                                     in zip(sokoban_gen, (20.73, 26.17, 2.73, 19.53))},
+            "Bandit": {c: Cell(s("Bandit"), t, p) for (c, t), p in zip(bandit_gen, (100.0, 67.58))},
+            "Bandit, no thinking": {c: Cell(s("Bandit", think=False), t, p) for (c, t), p in
+                                    zip(bandit_gen, (81.25, 56.25))}}),
+        # Table 3: 5 actions per turn: Sokoban 28.13, FrozenLake 21.09; 6: Sokoban 33.59. Five is
+        # the envs' own budget: that row is the main StarPO-S runs.
+        "actions_per_turn": ("Table 3: StarPO-S with N actions per turn (10 per episode)",
+                             ("Sokoban", "FrozenLake"), {
+            "5 actions": {"Sokoban": Cell(s("SimpleSokoban"), "SimpleSokoban", 28.13),
+                          "FrozenLake": Cell(s("FrozenLake"), "FrozenLake", 21.09)},
+            "6 actions": {"Sokoban": Cell(s("SimpleSokoban", actions=6), "SimpleSokoban",
+                                          33.59)}}),
+        # Table 2: 4 responses per prompt: Sokoban 20.70, NewVocab 25.39, FrozenLake 21.48 (the
+        # batch kept at 8 x 16 = 128 episodes: 32 prompts x 4).
+        "responses_per_prompt": ("Table 2: StarPO-S with N responses per prompt (same "
+                                 + "episodes per batch)", ("Sokoban", "NewVocab", "FrozenLake"), {
+            "4 responses": {
+                "Sokoban": Cell(s("SimpleSokoban", responses=4), "SimpleSokoban", 20.70),
+                "NewVocab": Cell(s("SimpleSokoban", responses=4), "SokobanDifferentGridVocab",
+                                 25.39),
+                "FrozenLake": Cell(s("FrozenLake", responses=4), "FrozenLake", 21.48)}}),
+    }
+
+
+TABLES = _tables()
+
+
+def selected(table: str, rows=(), columns=()):
+    """{row: {column: Cell}} of `table`, only `rows` / `columns` where given (ValueError for
+    labels the table lacks)."""
+    _, cols, body = TABLES[table]
+    for kind, wanted, known in (("row", rows, list(body)), ("column", columns, list(cols))):
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            raise ValueError(f"table {table} has no {kind} {', '.join(map(repr, unknown))}; "
+                             f"its {kind}s: {', '.join(known)}")
+    return {r: {c: cell for c, cell in cells.items() if not columns or c in columns}
+            for r, cells in body.items() if not rows or r in rows}
+
+
+def config_spec(env: str, variant: str) -> str:
+    return f"configs/{CONFIG_FILE[env]}" + (f":{variant}" if variant else "")
+
+
+def base_config(env: str, variant: str):
+    import importlib
+
+    return importlib.import_module("configs." + CONFIG_FILE[env][:-3]).get_config(variant or None)
+
+
+def steps_of(run: Run, variant: str, steps: int) -> int:
+    """Training steps of `run`: --steps, else the config's RL steps (SFT trains as many)."""
+    return steps or base_config(run.env, variant).trainer.total_steps
+
+
+def train_command(run: Run, workdir: str, variant: str, model_path: str, steps: int, extra=()):
+    """The `launch/train.py` (or sft.py) command line of `run`, as a list."""
+    c = base_config(run.env, variant)
+    launcher = "sft.py" if run.algo == "SFT" else "train.py"
+    o = {}
+    if model_path:
+        o["model.path"] = model_path
+    if run.algo != "SFT":
+        o.update({f"algorithm.{k}": v for k, v in ALGORITHMS[run.algo].items()})
+    if not run.think:
+        o["rollout.enable_think"] = False
+    if run.actions:
+        o["rollout.max_actions_per_turn"] = run.actions
+    if run.responses:
+        episodes = c.rollout.env_groups * c.rollout.group_size
+        if episodes % run.responses:
+            raise ValueError(f"{run.responses} responses per prompt do not divide the "
+                             f"{episodes} episodes of {config_spec(run.env, variant)}")
+        o["rollout.env_groups"], o["rollout.group_size"] = episodes // run.responses, run.responses
+    o["val.tags"] = VAL_TAGS[run.env]
+    o["sft.steps" if run.algo == "SFT" else "trainer.total_steps"] = steps_of(run, variant, steps)
+    args = [f"--config={config_spec(run.env, variant)}", f"--workdir={run_dir(workdir, run)}"]
+    args += [f"--config.{k}={v}" for k, v in o.items()]
+    args += [f"--config.{kv}" for kv in extra]
+    return [sys.executable, os.path.join(HERE, launcher), *args]
+
+
+def eval_command(run: Run, workdir: str, tags, groups: int):
+    out = os.path.join(run_dir(workdir, run), "eval", "+".join(tags) + ".json")
+    return [sys.executable, os.path.join(HERE, "eval.py"), f"--checkpoint={run_dir(workdir, run)}",
+            f"--tags={','.join(tags)}", f"--out={out}"] + ([f"--groups={groups}"] if groups else [])
+
+
+def run_dir(workdir: str, run: Run) -> str:
+    return os.path.join(workdir, run.name)
+
+
+def finished(workdir: str, run: Run, steps: int) -> bool:
+    """Whether `run` has a complete checkpoint at step `steps` (or later)."""
+    directory = os.path.join(run_dir(workdir, run), "checkpoints")
+    if not os.path.isdir(directory):
+        return False
+    from starpo import checkpoint
+
+    reader = checkpoint.Checkpointer(directory, read_only=True)
+    try:
+        return (reader.latest_step() or 0) >= steps
+    finally:
+        reader.close()
+
+
+def results(workdir: str, run: Run) -> dict:
+    """{tag: {"success": ..., ..., "groups", "temperature"}} of every evaluation of `run`."""
+    folder, out = os.path.join(run_dir(workdir, run), "eval"), {}
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".json"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    line = json.loads(f.read())
+                for tag, r in line["results"].items():
+                    out[tag] = dict(r, groups=line["groups"], temperature=line["temperature"])
+    return out
+
+
+def plan(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, rows=(),
+         columns=(), extra=()):
+    """[(command, done)]: each run's training then its evaluation on the tags it lacks, in
+    table order, every run once."""
+    needs = {}  # run -> tags, in order
+    for table in tables:
+        for cells in selected(table, rows, columns).values():
+            for cell in cells.values():
+                tags = needs.setdefault(cell.run, [])
+                tags += [] if cell.tag in tags else [cell.tag]
+    out = []
+    for run, tags in needs.items():
+        done = finished(workdir, run, steps_of(run, variant, steps))
+        out.append((train_command(run, workdir, variant, model_path, steps, extra), done))
+        have = results(workdir, run)
+        missing = [t for t in tags if t not in have]
+        out.append((eval_command(run, workdir, missing or tags, eval_groups), not missing))
+    return out
+
+
+def shown(command) -> str:
+    """A command line as a user would type it from the current directory."""
+    script = os.path.relpath(command[1])
+    return shlex.join(["python", script if not script.startswith("..") else command[1],
+                       *command[2:]])
+
+
+def cell_text(ours, cell: Cell) -> str:
+    paper = "—" if cell.paper is None else ("~" if cell.approx else "") + f"{cell.paper:g}"
+    return f"{'pending' if ours is None else f'{ours:.2f}'} / {paper}"
+
+
+def table_data(table: str, workdir: str, rows=(), columns=()):
+    """[(row, column, Cell, ours %, eval info)] of the finished evaluations (ours None where
+    there is none yet)."""
+    out, cache = [], {}
+    for row, cells in selected(table, rows, columns).items():
+        for column, cell in cells.items():
+            have = cache.setdefault(cell.run, results(workdir, cell.run))
+            r = have.get(cell.tag)
+            out.append((row, column, cell, None if r is None else 100 * r["success"], r))
+    return out
+
+
+def format_table(table: str, workdir: str, rows=(), columns=()) -> str:
+    """The table in the paper's layout: `ours / paper` success (%) per cell, notes, a JSON line."""
+    title, all_columns, _ = TABLES[table]
+    data = table_data(table, workdir, rows, columns)
+    cols = [c for c in all_columns if any(d[1] == c for d in data)]
+    body = {}
+    for row, column, cell, ours, _ in data:
+        body.setdefault(row, {})[column] = cell_text(ours, cell)
+    head = ["", *cols]
+    lines = [[r, *(body[r].get(c, "") for c in cols)] for r in body]
+    widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
+    fmt = " | ".join(f"{{:<{w}}}" for w in widths)
+    evals = {(r["groups"], r["temperature"]) for *_, r in data if r}
+    text = [f"{title}: success %, ours / paper's"
+            + (f" (ours on {', '.join(f'{g} levels at temperature {t:g}' for g, t in sorted(evals))})"
+               if evals else ""),
+            fmt.format(*head), "-+-".join("-" * w for w in widths), *(fmt.format(*x) for x in lines)]
+    renamed = sorted({(PAPER_NAME[cell.tag], cell.tag) for _, _, cell, *_ in data
+                      if cell.tag in PAPER_NAME})
+    if renamed:
+        text.append("env variants: " + ", ".join(f"{p} = our {t}" for p, t in renamed))
+    if any(cell.approx for _, _, cell, *_ in data):
+        text.append("~: the paper's vanilla StarPO peaks there before it collapses (read off its "
+                    "figures); ours is the last checkpoint")
+    runs = sorted({cell.run.name for _, _, cell, *_ in data})
+    text.append(f"runs in {workdir}: {', '.join(runs)}")
+    text.append(json.dumps({"table": table, "cells": [
+        {"row": row, "column": column, "tag": cell.tag, "run": cell.run.name,
+         "ours": None if ours is None else round(ours, 2), "paper": cell.paper}
+        for row, column, cell, ours, _ in data]}))
+    return "\n".join(text)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.table is None:
+        raise ValueError(f"--table is required: one of {', '.join(TABLE_NAMES)}, all")
+    tables = TABLE_NAMES if FLAGS.table == "all" else (FLAGS.table,)
+    if FLAGS.table == "all" and (FLAGS.rows or FLAGS.columns):
+        raise ValueError("--rows / --columns name one table's labels: give one --table")
+    for table in tables:
+        selected(table, FLAGS.rows, FLAGS.columns)  # unknown labels fail here
+    for kv in FLAGS.set:
+        if "=" not in kv:
+            raise ValueError(f"--set {kv!r}: expected KEY=VALUE, e.g. model.dtype=bfloat16")
+    if FLAGS.print_only:
+        print("\n\n".join(format_table(t, FLAGS.workdir, FLAGS.rows, FLAGS.columns)
+                          for t in tables))
+        return
+    if FLAGS.model_path:
+        from starpo import weights
+
+        weights.model_kind(FLAGS.model_path)  # a missing or unknown model: LoadError, one line
+    check(plan(tables, FLAGS.workdir, **settings()))
+    if FLAGS.dry_run:
+        for command, done in plan(tables, FLAGS.workdir, **settings()):
+            print(("# done: " if done else "") + shown(command))
+        return
+    reproduce(tables, FLAGS.workdir, **settings())
+    print("\n\n".join(format_table(t, FLAGS.workdir, FLAGS.rows, FLAGS.columns) for t in tables))
+
+
+def check(commands) -> None:
+    """Every training command's config parsed and checked as its launcher will (unknown keys,
+    wrong types, values the run cannot use): ValueError naming the run, before any work."""
+    for command, _ in commands:
+        if command[1].endswith("eval.py"):
+            continue
+        argv = ["reproduce", *(a for a in command[2:] if a.startswith("--config"))]
+        values = flags.FlagValues()
+        holder = common.define_config("config", flag_values=values, sys_argv=argv)
+        try:
+            common.parse_flags(argv, values, holder, check_config=True)
+        except common.UsageError as e:
+            run = os.path.basename(next(a for a in command if a.startswith("--workdir=")))
+            raise ValueError(f"run {run}: {e}") from None
+
+
+def settings() -> dict:
+    """`plan`'s settings from the flags."""
+    return {"variant": FLAGS.variant, "model_path": FLAGS.model_path, "steps": FLAGS.steps,
+            "eval_groups": FLAGS.eval_groups, "rows": FLAGS.rows, "columns": FLAGS.columns,
+            "extra": FLAGS.set}
+
+
+def reproduce(tables, workdir, runner=subprocess.run, **kw):
+    """Run `plan`'s commands that are not done, one after another (`runner`: subprocess.run).
+    A failing command ends the reproduction with its exit status (75: stopped on request; the
+    same command resumes)."""
+    commands = plan(tables, workdir, **kw)
+    for i, (command, done) in enumerate(commands):
+        if done:
+            continue
+        if command[1].endswith("eval.py"):  # the tags still missing, now that training is done
+            command = plan(tables, workdir, **kw)[i][0]
+        print(f"reproduce: {shown(command)}", file=sys.stderr, flush=True)
+        rc = runner(command, check=False).returncode
+        if rc:
+            print(f"error: {os.path.basename(command[1])} exited with status {rc}: "
+                  f"{shown(command)}", file=sys.stderr)
+            sys.exit(rc)
+
+
+def cli():
+    """The `starpo-reproduce` command (pyproject.toml)."""
+    common.run(main)
+
+
+if __name__ == "__main__":
+    cli()

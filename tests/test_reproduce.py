@@ -1,0 +1,195 @@
+"""launch/reproduce.py: the commands of a paper table, resuming, and the printed table.
+(A real tiny row end to end takes minutes on a loaded 2-core machine: README, not here.)"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from launch import reproduce
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([PY, "launch/reproduce.py", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_dry_run_lists_the_real_entry_points_with_each_rows_knobs(tmp_path):
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    p = cli("--table=generalisation", "--columns=Bandit,Bandit-Rev", f"--model_path={model}",
+            f"--workdir={tmp_path}/w", "--dry_run")
+    assert p.returncode == 0, p.stderr
+    w, s = f"{tmp_path}/w", ("--config.algorithm.adv_estimator=gae "
+                             "--config.algorithm.rollout_filter_ratio=0.25 "
+                             "--config.algorithm.clip_ratio_low=0.2 "
+                             "--config.algorithm.clip_ratio_high=0.28")
+    assert p.stdout.splitlines() == [
+        (f"python launch/train.py --config=configs/bandit.py --workdir={w}/starpo-s_Bandit "
+         f"--config.model.path={model} {s} --config.val.tags=Bandit,BanditTest "
+         "--config.trainer.total_steps=200"),
+        (f"python launch/eval.py --checkpoint={w}/starpo-s_Bandit --tags=Bandit,BanditTest "
+         f"--out={w}/starpo-s_Bandit/eval/Bandit+BanditTest.json"),
+        (f"python launch/train.py --config=configs/bandit.py --workdir={w}/starpo-s_Bandit_nothink "
+         f"--config.model.path={model} {s} --config.rollout.enable_think=False "
+         "--config.val.tags=Bandit,BanditTest --config.trainer.total_steps=200"),
+        (f"python launch/eval.py --checkpoint={w}/starpo-s_Bandit_nothink "
+         f"--tags=Bandit,BanditTest --out={w}/starpo-s_Bandit_nothink/eval/Bandit+BanditTest.json"),
+    ]
+    assert not os.path.exists(f"{tmp_path}/w")  # a dry run writes nothing
+
+    # the main table: StarPO-S filters to a quarter with a critic and clip-higher, StarPO keeps
+    # every group (GRPO, symmetric clip), SFT runs launch/sft.py as many steps as RL trains
+    main = reproduce.plan(["main"], "w", variant="tiny", steps=0)
+    assert len(main) == 18 and all(not done for _, done in main)
+    lines = {c[3].removeprefix("--workdir=w/"): c for c, _ in main if "--workdir=w/" in c[3]}
+    assert sorted(lines) == sorted(f"{a}_{e}" for a in ("starpo", "starpo-s", "sft")
+                                   for e in ("Bandit", "FrozenLake", "SimpleSokoban"))
+    for name, c in lines.items():
+        knobs = dict(a[len("--config."):].split("=", 1) for a in c[4:])
+        env = name.split("_")[1]
+        steps = {"Bandit": "20", "FrozenLake": "150", "SimpleSokoban": "40"}[env]
+        assert c[2] == f"--config=configs/{reproduce.CONFIG_FILE[env]}:tiny"
+        if name.startswith("sft_"):
+            assert c[1].endswith("launch/sft.py") and knobs["sft.steps"] == steps
+            assert not any(k.startswith("algorithm.") for k in knobs)
+            continue
+        assert c[1].endswith("launch/train.py") and knobs["trainer.total_steps"] == steps
+        want = (("gae", "0.25", "0.28") if name.startswith("starpo-s_") else ("grpo", "1.0", "0.2"))
+        assert (knobs["algorithm.adv_estimator"], knobs["algorithm.rollout_filter_ratio"],
+                knobs["algorithm.clip_ratio_high"], knobs["algorithm.clip_ratio_low"]) == (*want,
+                                                                                           "0.2")
+    # Table 2 keeps the batch's episodes: tiny FrozenLake's 128 x 1 becomes 32 x 4
+    (c, _), _ = reproduce.plan(["responses_per_prompt"], "w", variant="tiny", columns=["FrozenLake"])
+    assert "--config.rollout.env_groups=32" in c and "--config.rollout.group_size=4" in c
+    # Table 3's 5-action row is the main table's StarPO-S run: trained once for both
+    runs = [c[3] for c, _ in reproduce.plan(["main", "actions_per_turn"], "w") if not c[1].endswith("eval.py")]
+    assert len(runs) == len(set(runs)) == 10
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--table=table9"], "flag --table=table9"),
+    (["--table=main", "--model_path=/no/such/model"], "/no/such/model"),
+    (["--table=main", "--rows=PPO"], "table main has no row 'PPO'"),
+    (["--table=main", "--set=algorithm.nope=1"],
+     "run starpo_Bandit: unknown config key 'algorithm.nope'"),
+    (["--model_path=tiny"], "--table is required"),
+])
+def test_bad_input_is_one_line_before_any_work(tmp_path, args, words):
+    p = cli(*args, f"--workdir={tmp_path}/w")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert words in lines[0] and not os.path.exists(tmp_path / "w")
+
+
+def write_eval(workdir, run, tags, success, groups=256):
+    os.makedirs(os.path.join(workdir, run, "eval"), exist_ok=True)
+    with open(os.path.join(workdir, run, "eval", "+".join(tags) + ".json"), "w") as f:
+        json.dump({"model": f"{run}@200", "step": 200, "temperature": 0.5, "groups": groups,
+                   "group_size": 1, "results": {t: {"success": s} for t, s in zip(tags, success)}},
+                  f)
+
+
+def test_the_table_in_the_papers_layout(tmp_path):
+    w = str(tmp_path)
+    write_eval(w, "starpo-s_FrozenLake", ["FrozenLake"], [0.25])
+    write_eval(w, "sft_SimpleSokoban", ["SimpleSokoban"], [0.5])
+    write_eval(w, "starpo_SimpleSokoban", ["SimpleSokoban"], [0.03125])
+    text = reproduce.format_table("main", w).splitlines()
+    cells = {(c["row"], c["column"]): (c["ours"], c["paper"]) for c in json.loads(text[-1])["cells"]}
+    assert cells == {
+        ("StarPO", "Bandit"): (None, None), ("StarPO", "FrozenLake"): (None, 20.0),
+        ("StarPO", "Sokoban"): (3.12, 10.0), ("StarPO-S", "Bandit"): (None, 100.0),
+        ("StarPO-S", "FrozenLake"): (25.0, 21.8), ("StarPO-S", "Sokoban"): (None, 20.3),
+        ("SFT", "Bandit"): (None, None), ("SFT", "FrozenLake"): (None, 23.0),
+        ("SFT", "Sokoban"): (50.0, 74.6)}
+    assert set(text[2]) == {"-", "+"}
+    grid = [[x.strip() for x in line.split("|")] for line in text[1:6] if line != text[2]]
+    assert grid == [["", "Bandit", "FrozenLake", "Sokoban"],
+                    ["StarPO", "pending / —", "pending / ~20", "3.12 / ~10"],
+                    ["StarPO-S", "pending / 100", "25.00 / 21.8", "pending / 20.3"],
+                    ["SFT", "pending / —", "pending / 23", "50.00 / 74.6"]]
+    assert text[0].endswith("(ours on 256 levels at temperature 0.5)")
+    assert any(line.startswith("~: the paper's vanilla StarPO") for line in text)
+    assert "env variants: Sokoban = our SimpleSokoban" in text
+
+    # Table 4 from one evaluation file of several tags; the paper's names of our variants
+    write_eval(w, "starpo-s_SimpleSokoban", ["SimpleSokoban", "SokobanDifferentGridVocab",
+                                             "LargerSokoban", "FrozenLake"], [0.5, 0.25, 0.0, 1.0])
+    text = reproduce.format_table("generalisation", w, rows=["Sokoban"]).splitlines()
+    grid = [[x.strip() for x in line.split("|")] for line in (text[1], text[3])]
+    assert grid == [["", "Sokoban", "NewVocab", "LargeSokoban", "FrozenLake"],
+                    ["Sokoban", "50.00 / 21.48", "25.00 / 18.75", "0.00 / 2.34", "100.00 / 19.92"]]
+    assert ("env variants: LargeSokoban = our LargerSokoban, NewVocab = our "
+            "SokobanDifferentGridVocab, Sokoban = our SimpleSokoban") in text
+
+
+def test_a_reproduction_resumes_where_it_stopped(tmp_path, capsys):
+    """Runs whose checkpoint reached the last step and tags already evaluated are skipped; a
+    failing command ends it with that command's status."""
+    from starpo import checkpoint
+
+    w, ran = str(tmp_path), []
+
+    def runner(command, check):
+        ran.append(command)
+        args = dict(a[2:].split("=", 1) for a in command[2:])
+        if command[1].endswith("eval.py"):
+            tags = args["tags"].split(",")
+            write_eval(os.path.dirname(os.path.dirname(os.path.dirname(args["out"]))),
+                       os.path.basename(args["checkpoint"]), tags, [0.5] * len(tags))
+        else:
+            steps = int(args.get("config.trainer.total_steps") or args["config.sft.steps"])
+            ckpt = checkpoint.Checkpointer(os.path.join(args["workdir"], "checkpoints"))
+            ckpt.save(steps, {"w": np.zeros(2, np.float32)}, {"step": steps})
+            ckpt.close()
+        return types.SimpleNamespace(returncode=0)
+
+    kw = {"variant": "tiny", "steps": 2, "columns": ["Bandit", "Bandit-Rev"]}
+    # the Bandit run, already evaluated on Bandit alone: only Bandit-Rev is left to evaluate
+    write_eval(w, "starpo-s_Bandit", ["Bandit"], [1.0])
+    ckpt = checkpoint.Checkpointer(os.path.join(w, "starpo-s_Bandit", "checkpoints"))
+    ckpt.save(2, {"w": np.zeros(2, np.float32)}, {"step": 2})
+    ckpt.close()
+    reproduce.reproduce(["generalisation"], w, runner=runner, **kw)
+    assert [(os.path.basename(c[1]), c[3]) for c in ran] == [
+        ("eval.py", "--tags=BanditTest"),
+        ("train.py", f"--workdir={w}/starpo-s_Bandit_nothink"),
+        ("eval.py", "--tags=Bandit,BanditTest")]
+    ran.clear()
+    reproduce.reproduce(["generalisation"], w, runner=runner, **kw)  # all done
+    assert ran == []
+    assert all(done for _, done in reproduce.plan(["generalisation"], w, **kw))
+    # more steps: the runs are not finished any more (the same workdirs resume)
+    assert [done for _, done in reproduce.plan(["generalisation"], w, **{**kw, "steps": 3})] == [
+        False, True, False, True]
+    text = reproduce.format_table("generalisation", w, columns=kw["columns"])
+    assert [c["ours"] for c in json.loads(text.splitlines()[-1])["cells"]] == [100.0, 50.0,
+                                                                                50.0, 50.0]
+
+    def failing(command, check):
+        return types.SimpleNamespace(returncode=75)
+
+    with pytest.raises(SystemExit) as e:
+        reproduce.reproduce(["main"], w, runner=failing, variant="tiny", columns=["Bandit"])
+    assert e.value.code == 75
+    assert "error: train.py exited with status 75" in capsys.readouterr().err
+
+
+def test_eval_out_must_be_writable(tmp_path):
+    """launch/eval.py --out (the files reproduce.py reads) fails before evaluating, not after."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    p = subprocess.run([PY, "launch/eval.py", "--config=configs/bandit.py:tiny",
+                        f"--out={blocker}/eval/x.json"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: --out {blocker}")
