@@ -19,7 +19,7 @@ from envs import bandit, frozenlake, sokoban, solvers
 from envs.bandit import Bandit, BanditState
 from envs.frozenlake import FrozenLake, FrozenLakeState, shortest_path_length
 from envs.sokoban import Sokoban, SokobanState, solve
-from envs.solvers import has_solver, next_moves, solver_success
+from envs.solvers import has_solver, next_moves, optimal_moves, solver_success
 
 # name -> (class, defaults). Options given to `make` override the defaults; generator knobs of
 # the Sokoban variants are tuned so their levels match the reference's difficulty.
@@ -71,6 +71,7 @@ __all__ = [
     "has_solver",
     "make",
     "next_moves",
+    "optimal_moves",
     "shortest_path_length",
     "sokoban",
     "solve",

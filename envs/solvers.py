@@ -2,6 +2,7 @@
 
     names, n = next_moves(env, state, max_moves)   # one unbatched state; vmap for a batch
     has_solver(env), solver_success(env, state)
+    optimal_moves(lake, state)                     # FrozenLake: every move an optimal plan may take
 
 `names` are indices into `env.action_names` (turn them into action ids with
 `env.name_to_action(state, names)`: for Bandit the id depends on the arm order). `env` is static:
@@ -174,6 +175,23 @@ def _lake_plan(env, grid):
 def _near_max(q):
     """bool[N, 4]: the actions within float32 noise (relative) of each row's maximum."""
     return q >= q.max(-1, keepdims=True) * (1 - _VALUE_SLACK)
+
+
+def optimal_moves(env, state):
+    """bool[4] (by `env.action_names`): the moves of FrozenLake `env` from `state` that an
+    optimal plan may take, of which `next_moves` takes the first. Not slippery: every move one
+    step closer to the goal along a hole-free path (a label set for supervised move accuracy:
+    several are right where the goal is diagonal); slippery: the fastest actions of maximal
+    success probability. All False where the state is done or the goal is unreachable."""
+    if not isinstance(env, frozenlake.FrozenLake):
+        raise TypeError(f"optimal_moves is for FrozenLake, not {getattr(env, 'name', env)!r}")
+    _, rank, allowed = _lake_plan(env, state.grid)
+    succ = jnp.asarray(_lake_successors(env))
+    cell = state.pos[0] * env.size + state.pos[1]
+    live = ~env.is_done(state) & (rank[cell] < env.size * env.size + 1)
+    if env.is_slippery:
+        return live & allowed[cell]
+    return live & (rank[succ[cell, :, 0]] == rank[cell] - 1)
 
 
 def _lake_moves(env, state, max_moves):

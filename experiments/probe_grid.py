@@ -1,6 +1,7 @@
 """Synthetic probe: how fast does a tiny model learn FrozenLake's optimal move from one grid, and
 how much do earlier grids in the context slow it? (A ~1-4 minute bench on one core, cheaper and
-more controlled than `probe_frozenlake.py`, which trains on the real dialogues.)
+more controlled than supervised training on the real dialogues, which is `launch/sft.py
+--config=configs/frozenlake.py:tiny` then `launch/eval.py`: README, "Supervised warm start".)
 
     python -m experiments.probe_grid                       # the current grid alone
     python -m experiments.probe_grid --history=2 --prefix=20   # two earlier grids before it
@@ -11,10 +12,10 @@ between a grid and the reply: 14 tokens), then the current grid, its template an
 Grids are 3x3 (or --size) with one token per cell and a newline token between rows, so the cell
 below the player is `size + 1` tokens on, as in the real dialogue. Levels: 80% frozen, goal and
 player at random on reachable cells. The model is trained by cross-entropy on the optimal set
-(`probe_frozenlake.optimal_moves`) at the query, a fresh batch per step; every 100 steps it
-prints move accuracy on 2048 held-out levels, split into the case where the goal is diagonal and
-a hole beside the player blocks one direction towards it (`probe_frozenlake.hole_blocks_diagonal`)
-and the rest. The last line is JSON.
+(every move one step closer to the goal: `envs.solvers.optimal_moves`) at the query, a fresh
+batch per step; every 100 steps it prints move accuracy on 2048 held-out levels, split into the
+case where the goal is diagonal and a hole beside the player blocks one direction towards it
+(`hole_blocks_diagonal`) and the rest. The last line is JSON.
 
 Run from the repository root: `python -m` puts it on the import path.
 """
@@ -25,13 +26,13 @@ import argparse
 import json
 import time
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments import probe_frozenlake as probe
+import envs
+from envs import solvers
 from starpo import model as model_lib
 
 # token ids: cells by grid code (0 frozen, 1 hole, 2 goal), the player, newline; then the
@@ -53,7 +54,36 @@ def render(grid, pos):
     return out
 
 
-def levels(rng, batch, a):
+def hole_blocks_diagonal(grid, pos) -> bool:
+    """The goal is diagonal from `pos` (a different row and column) and one of the two moves
+    towards it lands in a hole: the cases a model that ignores holes gets wrong half the time."""
+    goal = np.argwhere(grid == 2)[0]
+    dr, dc = int(np.sign(goal[0] - pos[0])), int(np.sign(goal[1] - pos[1]))
+    if dr == 0 or dc == 0:
+        return False
+    return bool(grid[pos[0] + dr, pos[1]] == 1) != bool(grid[pos[0], pos[1] + dc] == 1)
+
+
+class OptimalMoves:
+    """bool[n * n, 4] of a grid (codes 0 frozen, 1 hole, 2 goal, as the env's): the solver's
+    optimal moves with the player on each cell (none on holes, the goal and cut-off cells),
+    compiled once and remembered per grid (a 3x3 lake has a few thousand)."""
+
+    def __init__(self, n):
+        env = envs.make("FrozenLake", size=n, is_slippery=False)
+        cells = jnp.asarray(np.stack(np.divmod(np.arange(n * n), n), 1).astype(np.int32))
+        self.fn = jax.jit(lambda grid: jax.vmap(lambda pos: solvers.optimal_moves(
+            env, envs.FrozenLakeState(grid=grid, pos=pos)))(cells))
+        self.cache = {}
+
+    def __call__(self, grid):
+        key = grid.tobytes()
+        if key not in self.cache:
+            self.cache[key] = np.asarray(self.fn(jnp.asarray(grid, jnp.int8)))
+        return self.cache[key]
+
+
+def levels(rng, batch, a, optimal_moves):
     """(tokens [B, T], optimal moves [B, 4] bool, hole-blocks-diagonal case [B] bool)."""
     n, template = a.size, list(range(TEMPLATE, TEMPLATE + a.suffix))
     cells = [(r, c) for r in range(n) for c in range(n)]
@@ -62,8 +92,8 @@ def levels(rng, batch, a):
         grid = (rng.random((n, n)) < 0.2).astype(int)
         goal = cells[rng.integers(len(cells))]
         grid[goal] = 2
-        dist = probe.distances(grid, n)
-        starts = [x for x in cells if grid[x] == 0 and x in dist]
+        moves = optimal_moves(grid)
+        starts = [x for i, x in enumerate(cells) if moves[i].any()]
         if not starts:
             continue
         seq = rng.integers(FILLER, QUERY, a.prefix).tolist()
@@ -71,8 +101,8 @@ def levels(rng, batch, a):
             seq += render(grid, starts[rng.integers(len(starts))]) + template
         pos = starts[rng.integers(len(starts))]
         tokens.append(seq + render(grid, pos) + template + [QUERY])
-        opt.append(probe.optimal_moves(pos, dist, n))
-        case.append(probe.hole_blocks_diagonal(grid, pos))
+        opt.append(moves[pos[0] * n + pos[1]])
+        case.append(hole_blocks_diagonal(grid, pos))
     return jnp.asarray(np.array(tokens, np.int32)), jnp.asarray(np.array(opt)), np.array(case)
 
 
@@ -111,7 +141,8 @@ def main(argv=None):
         return optax.apply_updates(params, updates), opt_state, loss
 
     right_fn = jax.jit(lambda params, tokens, opt: loss_fn(params, tokens, opt)[1])
-    val_tokens, val_opt, val_case = levels(np.random.default_rng(999), 2048, a)
+    optimal_moves = OptimalMoves(a.size)
+    val_tokens, val_opt, val_case = levels(np.random.default_rng(999), 2048, a, optimal_moves)
     rng, t0, curve = np.random.default_rng(a.seed), time.perf_counter(), []
     print(f"params {cfg.num_params}, sequence {val_tokens.shape[1]} tokens, "
           f"hole-blocks-diagonal share {val_case.mean():.3f}", flush=True)
@@ -125,7 +156,7 @@ def main(argv=None):
                   f"elsewhere {row[3]:.3f} {time.perf_counter() - t0:.0f}s", flush=True)
         if i == a.steps:
             break
-        tokens, opt, _ = levels(rng, a.batch, a)
+        tokens, opt, _ = levels(rng, a.batch, a, optimal_moves)
         params, opt_state, _ = train_step(params, opt_state, tokens, opt)
     print(json.dumps(dict(vars(a), curve=curve,
                           curve_columns=["step", "accuracy", "hole_blocks_diagonal", "elsewhere"])))

@@ -117,6 +117,7 @@ def test_lake_shortest_plans_match_bfs_and_reach_the_goal(size, levels):
     plan = size * size
     names, n, success = plan_batch(env, states, plan)
     short = vmapped(lambda s: solvers.next_moves(env, s, 2))(states)
+    optimal = np.asarray(vmapped(lambda s: solvers.optimal_moves(env, s))(states))
 
     def play(state, moves):
         def body(s, a):
@@ -141,8 +142,10 @@ def test_lake_shortest_plans_match_bfs_and_reach_the_goal(size, levels):
         np.testing.assert_array_equal(np.asarray(short[0][i]), prefix)
         if live:
             closer = [a for a in range(4) if lake_bfs(grid, lake_target(size, r, c, a)) == d - 1]
-            assert names[i, 0] == closer[0]
+            assert names[i, 0] == closer[0] and np.flatnonzero(optimal[i]).tolist() == closer
             assert reached[i, n[i] - 1] and not reached[i, : n[i] - 1].any()
+        else:
+            assert not optimal[i].any()
     # every start is solvable (the generator's filter); other cells are sometimes cut off
     assert all(n.reshape(levels, -1)[np.arange(levels), np.asarray(starts.pos) @ [size, 1]] > 0)
     assert unreachable > 0
@@ -172,6 +175,8 @@ def test_slippery_values_and_policy_are_optimal():
     names, n, value = plan_batch(env, states, 3)
     cells = size * size
     names, n = np.asarray(names).reshape(levels, cells, 3), np.asarray(n).reshape(levels, cells)
+    optimal = np.asarray(vmapped(lambda s: solvers.optimal_moves(env, s))(states)).reshape(
+        levels, cells, 4)
     value = np.asarray(value).reshape(levels, cells)
     assert not names[:, :, 1:].any()
     fractional, quick, quickest = 0, [], []
@@ -182,6 +187,11 @@ def test_slippery_values_and_policy_are_optimal():
         frozen = grid.reshape(-1) == 0
         np.testing.assert_array_equal(n[i], frozen & (best > 0))
         np.testing.assert_allclose(lake_values(grid, policy=names[i, :, 0]), best, atol=1e-4)
+        # optimal_moves: maximal actions only, the solver's move among them, none without a plan
+        q = lake_transitions(grid) @ best  # [4, N]
+        assert np.all(~optimal[i].T | (q >= q.max(0) - 1e-4))
+        assert np.array_equal(optimal[i].any(1), n[i] > 0)
+        assert all(optimal[i, c, names[i, c, 0]] for c in np.flatnonzero(n[i]))
         fractional += np.sum((best > 0.01) & (best < 0.99))
         start = int(starts.pos[i, 0]) * size + int(starts.pos[i, 1])
         quick.append(lake_values(grid, policy=names[i, :, 0], steps=10)[start])
