@@ -21,7 +21,8 @@ The rows, as config overrides of configs/<env>.py[:--variant] (the paper-sized c
 StarPO-S: PPO with a critic, the std filter keeping a quarter of the groups, decoupled clipping):
 - StarPO-S: algorithm.adv_estimator=gae, rollout_filter_ratio=0.25, clip_ratio_low/high 0.2/0.28
 - StarPO: the same without StarPO-S's additions: GRPO (no critic), no filter (ratio 1.0),
-  symmetric clipping 0.2/0.2. (KL stays off in both, the reference's default.)
+  symmetric clipping 0.2/0.2, and a KL loss to the initial policy (0.001, k3), which StarPO-S
+  drops.
 - SFT: launch/sft.py on solver demonstrations, as many steps as the RL rows train.
 Every run of an env validates on the variants its tables read (Sokoban: SimpleSokoban,
 SokobanDifferentGridVocab, LargerSokoban, FrozenLake), which a tiny model's tokenizer needs too.
@@ -73,8 +74,11 @@ PAPER_NAME = {"SimpleSokoban": "Sokoban", "SokobanDifferentGridVocab": "NewVocab
 ALGORITHMS = {
     "StarPO-S": {"adv_estimator": "gae", "rollout_filter_ratio": 0.25, "clip_ratio_low": 0.2,
                  "clip_ratio_high": 0.28},
+    # StarPO-S's third change is "decoupled clipping and no KL term": vanilla StarPO keeps a KL
+    # loss to the initial policy (verl's default coefficient 0.001, k3 estimator)
     "StarPO": {"adv_estimator": "grpo", "rollout_filter_ratio": 1.0, "clip_ratio_low": 0.2,
-               "clip_ratio_high": 0.2},
+               "clip_ratio_high": 0.2, "use_kl_loss": True, "kl_loss_coef": 0.001,
+               "kl_loss_type": "low_var_kl"},
 }
 
 

@@ -67,6 +67,8 @@ def test_dry_run_lists_the_real_entry_points_with_each_rows_knobs(tmp_path):
         assert (knobs["algorithm.adv_estimator"], knobs["algorithm.rollout_filter_ratio"],
                 knobs["algorithm.clip_ratio_high"], knobs["algorithm.clip_ratio_low"]) == (*want,
                                                                                            "0.2")
+        assert knobs.get("algorithm.use_kl_loss") == (None if name.startswith("starpo-s_")
+                                                      else "True")
     # Table 2 keeps the batch's episodes: tiny FrozenLake's 128 x 1 becomes 32 x 4
     (c, _), _ = reproduce.plan(["responses_per_prompt"], "w", variant="tiny", columns=["FrozenLake"])
     assert "--config.rollout.env_groups=32" in c and "--config.rollout.group_size=4" in c
