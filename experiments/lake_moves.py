@@ -143,7 +143,8 @@ def score(config, policy, levels: int = 512, eps: float = 0.3, seed: int = 0) ->
                             for d in sorted(set(moves["distance"][live].tolist()))},
             "hole_blocks_diagonal": acc(live & moves["case"]),
             "elsewhere": acc(live & ~moves["case"]),
-            "hole_blocks_diagonal_share": round(float((live & moves["case"]).sum() / live.sum()), 3)}
+            "hole_blocks_diagonal_share": round(float((live & moves["case"]).sum()
+                                                      / live.sum()), 3)}
 
 
 def main(argv=None):

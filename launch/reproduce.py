@@ -1,4 +1,4 @@
-"""Reproduce one of the paper's tables through the real entry points, and print it beside the paper's.
+"""Reproduce one of the paper's tables through the real entry points; print it beside the paper's.
 
   python launch/reproduce.py --table=main --model_path=/models/Qwen2.5-0.5B-Instruct --dry_run
   python launch/reproduce.py --table=main --model_path=/models/Qwen2.5-0.5B-Instruct
@@ -316,10 +316,10 @@ def format_table(table: str, workdir: str, rows=(), columns=()) -> str:
     widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
     fmt = " | ".join(f"{{:<{w}}}" for w in widths)
     evals = {(r["groups"], r["temperature"]) for *_, r in data if r}
-    text = [f"{title}: success %, ours / paper's"
-            + (f" (ours on {', '.join(f'{g} levels at temperature {t:g}' for g, t in sorted(evals))})"
-               if evals else ""),
-            fmt.format(*head), "-+-".join("-" * w for w in widths), *(fmt.format(*x) for x in lines)]
+    sets = ", ".join(f"{g} levels at temperature {t:g}" for g, t in sorted(evals))
+    text = [f"{title}: success %, ours / paper's" + (f" (ours on {sets})" if evals else ""),
+            fmt.format(*head), "-+-".join("-" * w for w in widths),
+            *(fmt.format(*x) for x in lines)]
     renamed = sorted({(PAPER_NAME[cell.tag], cell.tag) for _, _, cell, *_ in data
                       if cell.tag in PAPER_NAME})
     if renamed:

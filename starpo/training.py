@@ -461,7 +461,10 @@ def train_step(exp: Experiment, state, step: int, seed_counter: int | None = Non
         diagnostic = template(state.actor_params, traj, c.seed, step + 1)
         diagnostic["timing/collapse"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-    state, um = exp.update(state, traj.truncate(trained), k_update)
+    # a KL term's reference is the policy the RL phase started from (the model, `init_from`'s
+    # or the SFT phase's weights): exp.policy's, which a resumed run rebuilds as they were
+    ref = exp.policy.params if exp.algo.uses_reference else None
+    state, um = exp.update(state, traj.truncate(trained), k_update, ref)
     um = sharding.to_host(um)
     t2 = time.perf_counter()
     out = {k: float(v) for k, v in um.items()}
@@ -612,6 +615,12 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
                 return {}
             exp = with_actor(exp, params)
             t_build = time.perf_counter()
+        elif phase is not None and exp.algo.uses_reference:  # RL resumes: its KL reference
+            sft_ckpt = os.path.join(workdir, "sft", "checkpoints")  # is where SFT ended
+            exp = with_actor(exp, sharding.put(
+                ckpt_lib.load_params(sft_ckpt, None,
+                                     jax.eval_shape(lambda p: p, exp.policy.params)),
+                sharding.param_shardings(exp.policy.cfg, exp.mesh)))
         return _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, log)
 
 

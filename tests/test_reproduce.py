@@ -70,10 +70,12 @@ def test_dry_run_lists_the_real_entry_points_with_each_rows_knobs(tmp_path):
         assert knobs.get("algorithm.use_kl_loss") == (None if name.startswith("starpo-s_")
                                                       else "True")
     # Table 2 keeps the batch's episodes: tiny FrozenLake's 128 x 1 becomes 32 x 4
-    (c, _), _ = reproduce.plan(["responses_per_prompt"], "w", variant="tiny", columns=["FrozenLake"])
+    (c, _), _ = reproduce.plan(["responses_per_prompt"], "w", variant="tiny",
+                               columns=["FrozenLake"])
     assert "--config.rollout.env_groups=32" in c and "--config.rollout.group_size=4" in c
     # Table 3's 5-action row is the main table's StarPO-S run: trained once for both
-    runs = [c[3] for c, _ in reproduce.plan(["main", "actions_per_turn"], "w") if not c[1].endswith("eval.py")]
+    runs = [c[3] for c, _ in reproduce.plan(["main", "actions_per_turn"], "w")
+            if not c[1].endswith("eval.py")]
     assert len(runs) == len(set(runs)) == 10
 
 
@@ -106,7 +108,8 @@ def test_the_table_in_the_papers_layout(tmp_path):
     write_eval(w, "sft_SimpleSokoban", ["SimpleSokoban"], [0.5])
     write_eval(w, "starpo_SimpleSokoban", ["SimpleSokoban"], [0.03125])
     text = reproduce.format_table("main", w).splitlines()
-    cells = {(c["row"], c["column"]): (c["ours"], c["paper"]) for c in json.loads(text[-1])["cells"]}
+    cells = {(c["row"], c["column"]): (c["ours"], c["paper"])
+             for c in json.loads(text[-1])["cells"]}
     assert cells == {
         ("StarPO", "Bandit"): (None, None), ("StarPO", "FrozenLake"): (None, 20.0),
         ("StarPO", "Sokoban"): (3.12, 10.0), ("StarPO-S", "Bandit"): (None, 100.0),

@@ -167,3 +167,27 @@ def test_template_collapse_metrics_are_logged_on_ragen2s_steps(bandit_run, tmp_p
     assert "warning/template_collapse" not in rows[2]
     warned = [s for s in said if "template collapse" in s]
     assert len(warned) == sum(r["warning/template_collapse"] for r in rows[:2]) > 0, said
+
+
+def test_a_kl_loss_is_measured_against_the_starting_policy(tmp_path):
+    """algorithm.use_kl_loss (vanilla StarPO's KL term): the first batch is scored by the very
+    policy that is the reference, so its actor/ref_kl is 0 up to float rounding, and once the
+    policy has moved it is > 0; a run stopped after step 2 and resumed keeps the starting policy
+    as its reference (not the resumed weights): the same KL numbers as one straight run."""
+    config = with_changes(bandit.get_config("tiny"), algorithm__use_kl_loss=True,
+                          algorithm__kl_loss_coef=0.01, algorithm__kl_loss_type="low_var_kl",
+                          trainer__total_steps=3, trainer__save_freq=2,
+                          val__before_train=False, val__test_freq=0)
+    exp = training.build(config)
+    quiet = lambda *a: None  # noqa: E731
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    training.train(config, straight, progress=False, experiment=exp, log=quiet)
+    training.train(config, resumed, progress=False, experiment=exp, log=quiet, stop_after=2)
+    training.train(config, resumed, progress=False, experiment=exp, log=quiet)
+    kl = {w: [(r["step"], r["actor/ref_kl"], r["actor/kl_loss"])
+              for r in metrics.read_jsonl(os.path.join(w, "metrics.jsonl"))]
+          for w in (straight, resumed)}
+    (s1, ref1, _), _, (s3, ref3, loss3) = kl[straight]
+    assert (s1, s3) == (1, 3) and abs(ref1) < 1e-6 and ref3 > 1e-5 and loss3 > 1e-5, kl
+    for a, b in zip(kl[straight], kl[resumed], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-8), kl
