@@ -92,6 +92,7 @@ def smollm2():
 # first, so that under pytest-xdist's per-file scheduling the short files fill the other
 # workers meanwhile instead of one long file running alone at the end.
 SLOW_FILES_FIRST = ("test_training_frozenlake.py", "test_training.py", "test_sharding.py",
+                    "test_sft.py", "test_context_window.py", "test_solvers.py",
                     "test_chunks.py", "test_smollm2.py", "test_rollout_mixed.py",
                     "test_sampler.py", "test_model.py", "test_rollout_context.py")
 

@@ -29,7 +29,7 @@ def test_an_eval_set_in_chunks_plays_the_same_levels(tiny):
     import envs
     env = envs.make("FrozenLake")
     spec = rollout.RolloutSpec(max_turn=2, max_new_tokens=6, max_context=2048)
-    kw = dict(env_groups=4, group_size=2, spec=spec)
+    kw = dict(env_groups=4, group_size=2, spec=spec, compiler_options=training.FAST_COMPILE)
     sets = {n: evaluate.make_eval_set("FrozenLake", env, tiny.tokenizer, tiny.cfg, batch_size=n,
                                       **kw) for n in (0, 8, 4)}
     key = jax.random.key(7)

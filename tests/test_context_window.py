@@ -156,7 +156,7 @@ def tiny():
 @pytest.mark.parametrize("window", [0, 2, 1], ids=["full", "limited2", "single_turn"])
 def test_update_logprobs_equal_the_samplers(tiny, window):
     m, params = tiny
-    spec = rollout.RolloutSpec(max_turn=MAX_TURN, max_new_tokens=N_TOKENS, max_context=2048,
+    spec = rollout.RolloutSpec(max_turn=MAX_TURN, max_new_tokens=N_TOKENS, max_context=1024,
                                context_window=window)
     r = rollout.make_rollout(envs.make("FrozenLake"), m.tokenizer, m.cfg, spec,
                              env_groups=GROUPS, group_size=GROUP_SIZE,
