@@ -2,8 +2,13 @@
 
 One module covers SmolLM2, Llama 3.x and Qwen2.5: RMSNorm, rotary embeddings (theta from the
 checkpoint, Llama-3 frequency scaling where configured), grouped-query attention, SwiGLU MLP,
-optional q/k/v bias (Qwen2), tied or untied output head. Layers are stacked with `nn.scan`, so a
-30-layer model compiles like a 1-layer one.
+optional q/k/v bias (Qwen2), tied or untied output head.
+
+One driver, `hidden_states`, runs every forward (training forward, cache append, decode step):
+it computes the chunk's geometry (rotary positions, masks, cache write slots, context window)
+once and runs `Block` over the layers, as a scan over the stacked weights `layers` [L,...] (a
+30-layer model compiles like a 1-layer one) or as a loop over per-layer buffers cut once for
+decoding (`split_layers`, `split_cache`), with the same numbers.
 
 Einsum letters: B batch, T query tokens, S key slots, D model width, H query heads,
 K kv heads, G query heads per kv head (H = K*G), E head dim, F MLP width, V vocab.
@@ -466,7 +471,7 @@ class Attention(nn.Module):
         (out [B,T,D], (k, v) of the chunk [B,T,K,E]) -- the caller writes those into the cache
         in one scatter, so the cache is never copied layer by layer.
 
-        write = (rows, slots [B,T], visible [B,T,S] bool), layer by layer (`split_cache`): this
+        write = (rows, slots [B,T], visible [B,T,S] bool), per-layer buffers (`split_cache`): this
         layer's own cache buffers are updated first -- in place, as nothing reads the old ones
         -- and the chunk attends over the cache alone, slots `visible` to each query. Returns
         (out, the updated (k, v) buffers).
@@ -642,24 +647,48 @@ class Block(nn.Module):
         return constrain(x, ACTIVATION_AXES), kv
 
 
-def _chunk_geometry(valid, cache: KVCache | None):
-    """Rotary positions [B,T] and the causal chunk mask [B,T,T] of a chunk (valid [B,T] bool)."""
-    T = valid.shape[1]
-    offsets = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1  # [B,T] real tokens before
-    t = jnp.arange(T, dtype=jnp.int32)
-    chunk_mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
-    positions = jnp.maximum(offsets, 0)
-    if cache is not None:
-        positions = positions + cache.pos[:, None]
-    return positions, chunk_mask
+def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
+                  window: TurnWindow | None = None, split: bool = False):
+    """The geometry of a chunk (valid [B,T] bool), as every layer gets it: (shared, kv, write_at).
 
-
-def _write_slots(valid, cache: KVCache):
-    """(rows, slots) [B,T] where each chunk token goes; padding goes out of range (dropped)."""
+    shared = (positions, chunk_mask, cache_valid, window[, write]) goes to each `Block` alike
+    (see `Attention`): rotary positions [B,T] counting real tokens only, the causal chunk mask
+    [B,T,T] over valid keys, the cache slots seen. kv = the cache's (k, v) the layers read
+    (stacked, or per-layer tuples when `split`), None without a cache or when `fresh`.
+    write_at = (rows, slots) [B,T] where the chunk's tokens go in the cache (padding out of
+    range: dropped), None without one."""
     B, T = valid.shape
     t = jnp.arange(T, dtype=jnp.int32)
+    chunk_mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)  # real before
+    if cache is None:
+        return (positions, chunk_mask, None, window), None, None
+    positions = positions + cache.pos[:, None]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     slots = jnp.where(valid, cache.end[:, None] + t[None, :], cache.max_len)
-    return jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)), slots
+    kv, cache_valid = (cache.k, cache.v), cache.valid
+    if split:
+        # each layer writes its own buffers first, then attends over the slots visible to a
+        # query: those that held a token already or get a valid chunk token t' <= t, inside
+        # t's window (the slots' turns once the chunk's are written)
+        col = jnp.arange(cache.max_len, dtype=jnp.int32)[None, :] - cache.end[:, None]  # [B,S]
+        in_chunk = (col >= 0) & (col < T) & jnp.take_along_axis(valid, jnp.clip(col, 0, T - 1),
+                                                               axis=1)
+        visible = cache_valid[:, None, :] | (in_chunk[:, None, :]
+                                             & (col[:, None, :] <= t[None, :, None]))
+        if window is not None:
+            visible = visible & window_mask(window.turns,
+                                            _written_turns(cache, rows, slots, window),
+                                            window.size)
+        write = (rows, slots, visible)
+        return (positions, chunk_mask, cache_valid, window, write), kv, (rows, slots)
+    if fresh:  # an empty cache: the chunk attends causally to itself alone
+        return (positions, chunk_mask, None, window), None, (rows, slots)
+    if window is not None:  # (the causal kernels of the cacheless path mask for themselves)
+        chunk_mask = chunk_mask & window_mask(window.turns, window.turns, window.size)
+        cache_valid = cache_valid[:, None, :] & window_mask(window.turns, _cache_turns(cache),
+                                                            window.size)
+    return (positions, chunk_mask, cache_valid, window), kv, (rows, slots)
 
 
 def _advance(cache: KVCache, valid, rows, slots, k, v, window=None) -> KVCache:
@@ -689,7 +718,9 @@ def _written_turns(cache: KVCache, rows, slots, window):
 
 
 class Transformer(nn.Module):
-    """The decoder. `__call__` returns final hidden states; `logits` / `values` are the heads."""
+    """The decoder's parameters and its two ends (embedding, final norm, heads). The forward is
+    `hidden_states`; the module declares the layers as one `nn.scan` of `Block` (each weight
+    stacked [L,...] under `layers`, logical axis "layers" first), which `init_all` runs once."""
 
     cfg: ModelConfig
 
@@ -700,10 +731,8 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
             param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=_partitioned(nn.initializers.normal(0.02), ("vocab", "embed")))
-        block = (nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat_policy])
-                 if cfg.remat else Block)
         self.layers = nn.scan(
-            block, variable_axes={"params": 0}, split_rngs={"params": True},
+            Block, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(0, nn.broadcast), length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg)
@@ -715,50 +744,6 @@ class Transformer(nn.Module):
                 1, dtype=jnp.float32, param_dtype=jnp.dtype(cfg.param_dtype),
                 kernel_init=_partitioned(nn.initializers.zeros, ("embed", None)),
                 bias_init=_partitioned(nn.initializers.zeros, (None,)))
-
-    def __call__(self, tokens, valid, cache: KVCache | None = None, fresh: bool = False,
-                 window: TurnWindow | None = None):
-        """tokens [B,T] int, valid [B,T] bool -> (hidden [B,T,D], new cache or None).
-
-        Without a cache the chunk attends causally to its own valid tokens (training forward).
-        With a cache the chunk also attends to every valid cache slot, and its valid tokens are
-        written at slots `cache.end[b] + t`; the returned cache has `end` just past the row's
-        last valid token (so right padding is overwritten by the next call) and `pos` advanced
-        by the number of valid tokens. Rows with no valid token are left bit for bit as they
-        were; valid tokens that would land past the cache's end are dropped (callers check
-        room first, see `sampler`).
-
-        fresh=True promises that the cache holds nothing yet (a first prefill): the chunk then
-        attends causally to itself alone, as without a cache (`causal_attention`, skipping
-        the empty slots), and its keys/values are written as usual.
-
-        window: a `TurnWindow` (the chunk's turns) or None (everything causal is seen). With a
-        cache its slots' turns are read from and written into `cache.turn`.
-        """
-        valid = valid.astype(bool)
-        positions, chunk_mask = _chunk_geometry(valid, cache)
-        kv, cache_valid = None, None
-        if cache is not None and not fresh:
-            kv, cache_valid = (cache.k, cache.v), cache.valid
-        if window is not None and kv is not None:  # (the causal kernels mask for themselves)
-            chunk_mask = chunk_mask & window_mask(window.turns, window.turns, window.size)
-            cache_valid = cache_valid[:, None, :] & window_mask(window.turns, _cache_turns(cache),
-                                                                window.size)
-
-        x = self.embed_tokens(tokens)
-        x, (k, v) = self.layers(x, kv, (positions, chunk_mask, cache_valid, window))
-        hidden = self.final_norm(x)
-        if cache is None:
-            return hidden, None
-
-        # One scatter per buffer writes every layer's new keys/values in place (the cache is
-        # donated by the sampler); padding goes to an out-of-range slot and is dropped.
-        rows, slots = _write_slots(valid, cache)
-        new_cache = _advance(cache, valid, rows, slots,
-                             k=cache.k.at[:, rows, :, slots].set(jnp.moveaxis(k, 0, 2), mode="drop"),
-                             v=cache.v.at[:, rows, :, slots].set(jnp.moveaxis(v, 0, 2), mode="drop"),
-                             window=window)
-        return hidden, new_cache
 
     def embed_tokens(self, tokens):
         """tokens [B,T] -> float32 embeddings [B,T,D], rows on the mesh's batch axes.
@@ -793,7 +778,9 @@ class Transformer(nn.Module):
 
     def init_all(self, tokens, valid):
         """Touch every parameter (used only by `init`)."""
-        hidden, _ = self(tokens, valid)
+        shared, _, _ = _layer_inputs(valid, None)
+        x, _ = self.layers(self.embed_tokens(tokens), None, shared)
+        hidden = self.final_norm(x)
         out = self.logits(hidden)
         if self.cfg.value_head:
             out = out.sum() + self.values(hidden).sum()
@@ -823,24 +810,83 @@ def logical_axes(cfg: ModelConfig):
 
 def forward(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None):
     """Logits [B,T,V] (float32) and the updated cache."""
-    model = Transformer(cfg)
-    hidden, cache = model.apply({"params": params}, tokens, valid, cache)
-    return model.apply({"params": params}, hidden, method=Transformer.logits), cache
+    hidden, cache = hidden_states(params, cfg, tokens, valid, cache)
+    return head_logits(params, cfg, hidden), cache
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None,
                   fresh: bool = False, window: TurnWindow | None = None):
-    """Final-norm hidden states [B,T,D] and the updated cache (heads applied separately).
+    """tokens [B,T] int, valid [B,T] bool -> (final-norm hidden states [B,T,D], new cache or
+    None); the heads are applied separately (`head_logits`, `head_values`). The one forward:
+    the training forward, a cache append and a decode step all run here.
 
-    With `split_layers` params or a `split_cache` cache the layers run one by one (unrolled)
-    instead of as a scan; the numbers are the same. fresh=True: the caller knows the cache is
-    empty (see `Transformer.__call__`); the same numbers, without attending over empty slots
-    (stacked layers only: layer by layer it changes nothing). window: a `TurnWindow` over the
-    chunk's tokens, or None (see `Transformer.__call__`).
+    Without a cache the chunk attends causally to its own valid tokens (training forward).
+    With a cache the chunk also attends to every valid cache slot, and its valid tokens are
+    written at slots `cache.end[b] + t`; the returned cache has `end` just past the row's
+    last valid token (so right padding is overwritten by the next call) and `pos` advanced
+    by the number of valid tokens. Rows with no valid token are left bit for bit as they
+    were; valid tokens that would land past the cache's end are dropped (callers check
+    room first, see `sampler`).
+
+    fresh=True promises that the cache holds nothing yet (a first prefill): the chunk then
+    attends causally to itself alone, as without a cache (`causal_attention`, skipping
+    the empty slots), and its keys/values are written as usual (stacked layers only: over
+    split buffers it changes nothing).
+
+    window: a `TurnWindow` (the chunk's turns) or None (everything causal is seen). With a
+    cache its slots' turns are read from and written into `cache.turn`.
+
+    Stacked params and cache ([L,...]) run as one scan over the layers, so any depth compiles
+    like one layer; with `split_layers` params or a `split_cache` cache the layers run as a
+    loop over per-layer buffers (see "split buffers" below). The numbers are the same.
     """
-    if _is_split(params["layers"]) or (cache is not None and _is_split(cache.k)):
-        return _hidden_states_layerwise(params, cfg, tokens, valid, cache, window)
-    return Transformer(cfg).apply({"params": params}, tokens, valid, cache, fresh, window)
+    valid = valid.astype(bool)
+    split = _is_split(params["layers"]) or (cache is not None and _is_split(cache.k))
+    stacked_cache = cache is not None and not _is_split(cache.k)
+    if split:
+        params = split_layers(params)
+        cache = None if cache is None else split_cache(cache)
+    shared, kv, write_at = _layer_inputs(valid, cache, fresh, window, split)
+    heads = {"params": _heads_only(params)}
+    model = Transformer(cfg)
+    x = model.apply(heads, tokens, method=Transformer.embed_tokens)
+    x, (k, v) = _run_layers(cfg, params["layers"], x, kv, shared)
+    hidden = model.apply(heads, x, method=Transformer.final_hidden)
+    if cache is None:
+        return hidden, None
+    rows, slots = write_at
+    if not split:
+        # One scatter per buffer writes every layer's new keys/values in place (the cache is
+        # donated by the sampler); padding goes to an out-of-range slot and is dropped.
+        k = cache.k.at[:, rows, :, slots].set(jnp.moveaxis(k, 0, 2), mode="drop")
+        v = cache.v.at[:, rows, :, slots].set(jnp.moveaxis(v, 0, 2), mode="drop")
+    new_cache = _advance(cache, valid, rows, slots, k, v, window)
+    return hidden, stack_cache(new_cache) if stacked_cache else new_cache
+
+
+def _run_layers(cfg: ModelConfig, layers, x, kv, shared):
+    """`Block` over every layer: x [B,T,D] -> (x, (k, v)).
+
+    Stacked params `layers` [L,...] (with the stacked cache (k, v) [L,...], or None) run as one
+    `lax.scan`; the (k, v) returned are the chunk's [L,B,T,K,E]. Per-layer params (a tuple,
+    `split_layers`) run as a Python loop, layer i reading the cache buffers (k[i], v[i]); the
+    (k, v) returned are tuples of what each layer returns (its updated buffers, see
+    `Attention`). Under `cfg.remat` each layer is rematerialised in the backward pass."""
+    def block(layer, x, kv, shared):
+        return Block(cfg).apply({"params": layer}, x, kv, shared)
+
+    if cfg.remat:
+        block = jax.checkpoint(block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat_policy])
+    if not _is_split(layers):
+        def step(x, layer_kv):
+            return block(layer_kv[0], x, layer_kv[1], shared)
+        return jax.lax.scan(step, x, (layers, kv))
+    ks, vs = [], []
+    for i, layer in enumerate(layers):
+        x, (k, v) = block(layer, x, None if kv is None else (kv[0][i], kv[1][i]), shared)
+        ks.append(k)
+        vs.append(v)
+    return x, (tuple(ks), tuple(vs))
 
 
 def head_logits(params, cfg: ModelConfig, hidden):
@@ -853,7 +899,7 @@ def head_values(params, cfg: ModelConfig, hidden):
                                   method=Transformer.values)
 
 
-# ----------------------------------------------------------------------------- layer by layer
+# ----------------------------------------------------------------------------- split buffers
 # Decoding one token per row is bound by memory traffic. Under the layer scan every step
 # dynamic-slices each layer's weights and [B,K,S,E] cache block out of the stacked arrays,
 # and on CPU each such slice is a real copy (the matmul libraries need a plain buffer): about
@@ -894,45 +940,3 @@ def stack_cache(cache: KVCache) -> KVCache:
     if not _is_split(cache.k):
         return cache
     return cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
-
-
-def _hidden_states_layerwise(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None,
-                             window: TurnWindow | None = None):
-    stacked = cache is not None and not _is_split(cache.k)
-    if stacked:
-        cache = split_cache(cache)
-    layers = split_layers(params)["layers"]
-    heads = {"params": _heads_only(params)}
-    model = Transformer(cfg)
-    valid = valid.astype(bool)
-    positions, chunk_mask = _chunk_geometry(valid, cache)
-    shared = (positions, chunk_mask, None, window)
-    if cache is not None:
-        rows, slots = _write_slots(valid, cache)
-        # slot s is visible to chunk token t if it held a token already or gets a valid chunk
-        # token t' <= t (the same keys as the cache part plus the causal chunk part)
-        T, S = valid.shape[1], cache.max_len
-        col = jnp.arange(S, dtype=jnp.int32)[None, :] - cache.end[:, None]  # [B,S] chunk column
-        in_chunk = (col >= 0) & (col < T) & jnp.take_along_axis(valid, jnp.clip(col, 0, T - 1),
-                                                               axis=1)
-        t = jnp.arange(T, dtype=jnp.int32)
-        visible = cache.valid[:, None, :] | (in_chunk[:, None, :]
-                                             & (col[:, None, :] <= t[None, :, None]))
-        if window is not None:  # the slots' turns once the chunk's are written
-            visible = visible & window_mask(window.turns,
-                                            _written_turns(cache, rows, slots, window),
-                                            window.size)
-        shared = (positions, chunk_mask, cache.valid, window, (rows, slots, visible))
-    block = Block(cfg)
-    x = model.apply(heads, tokens, method=Transformer.embed_tokens)
-    new_k, new_v = [], []
-    for i, layer in enumerate(layers):
-        kv = None if cache is None else (cache.k[i], cache.v[i])
-        x, (k, v) = block.apply({"params": layer}, x, kv, shared)
-        new_k.append(k)
-        new_v.append(v)
-    hidden = model.apply(heads, x, method=Transformer.final_hidden)
-    if cache is None:
-        return hidden, None
-    new_cache = _advance(cache, valid, rows, slots, tuple(new_k), tuple(new_v), window)
-    return hidden, stack_cache(new_cache) if stacked else new_cache
