@@ -6,9 +6,10 @@
 
 Takes the same config files and overrides as launch/train.py (the `sft` section: starpo/sft.py);
 the run lives in --workdir (default runs/<config>[_<variant>]_sft) like an RL run: config.json,
-checkpoints, metrics.jsonl (`sft/loss`, validation `val/<tag>/...` and the solver's own
-`val/<tag>/solver_success`), TensorBoard. Ctrl-C or SIGTERM saves and exits; the same command
-resumes. Multi-process runs as launch/train.py.
+checkpoints, metrics.jsonl (`sft/loss`, validation `val/<tag>/...`, the solver's own
+`val/<tag>/solver_success` and the held-out demonstrations' `val/<tag>/demo_accuracy`),
+TensorBoard. Ctrl-C or SIGTERM saves and exits; the same command resumes. Multi-process runs
+as launch/train.py.
 """
 
 import os

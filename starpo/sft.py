@@ -13,9 +13,13 @@ start have weight 0.
 
 An SFT phase is a run of its own in its workdir (config.json, checkpoints/, metrics.jsonl, tb/),
 so `launch/eval.py` and `launch/chat.py` take it like any run, and an interrupted phase resumes.
-Its validation is the RL run's (`val.*`, sampled by the model), every `sft.test_freq` steps;
-before the first step it also logs `val/<tag>/solver_success`, the solver's own success on the
-same held-out levels through the same dialogue (the ceiling SFT is measured against).
+Its validation is the RL run's (`val.*`, sampled by the model), every `sft.test_freq` steps,
+plus the solver's demonstrations of the same held-out levels scored teacher-forced:
+`val/<tag>/demo_nll` per reply token and `val/<tag>/demo_accuracy`, the share of the solver's
+replies the model's greedy answer would write exactly (what learning the map shows as, where
+the slippery lake's success is mostly luck). Before the first step it also logs
+`val/<tag>/solver_success`, the solver's own success on those levels through the same dialogue
+(the ceiling SFT is measured against).
 When `sft.steps > 0`, `training.train` runs the phase in `<workdir>/sft` first and starts RL
 from its weights (the critic, a copy of the actor, from them too); a run whose RL phase has a
 checkpoint skips it.
@@ -37,6 +41,7 @@ import optax
 from starpo import checkpoint as ckpt_lib
 from starpo import demos
 from starpo import evaluate
+from starpo import losses
 from starpo import metrics as metrics_lib
 from starpo import rollout as rollout_lib
 from starpo import sharding
@@ -109,6 +114,43 @@ def make_step(algo: update_lib.AlgoConfig, cfg):
     return jax.jit(step, donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=4)
+def make_scorer(algo: update_lib.AlgoConfig, cfg):
+    """Jitted `score(params, traj, weight)` -> f32[4] (sums over the weighted rows): reply
+    tokens' NLL, reply tokens, replies the model would write exactly, replies. A reply (one
+    turn's model tokens) counts as written exactly when, teacher-forced in the demonstration's
+    context, every one of its tokens is the model's most likely token: with one move a reply,
+    the share of the solver's moves the model's greedy answer picks."""
+
+    def one(params, turns, tokens, valid, mask, turn, weight, *wturns):
+        window = update_lib._window(algo, wturns[0]) if wturns else None
+
+        def head(logits, y):
+            logp, _ = losses.logprobs_and_entropy(logits, y)
+            return logp, jnp.argmax(logits, axis=-1) == y
+
+        logp, greedy = update_lib.per_token(params, cfg, tokens, valid, head,
+                                            algo.logit_chunk_size, window)
+        k = jnp.arange(turns)[None, :, None]
+        reply = mask[:, None, :] & (turn[:, None, :] == k)  # [b, turns, T]
+        played = reply.any(-1)
+        exact = played & jnp.all(greedy[:, None, :] | ~reply, axis=-1)
+        w = weight[:, None]
+        return jnp.stack([-jnp.sum(logp * mask * weight[:, None]), jnp.sum(mask * w),
+                          jnp.sum(exact * w), jnp.sum(played * w)])
+
+    def score(params, traj, weight):
+        B, T = traj.tokens.shape
+        micro = max(d for d in range(1, min(algo.micro_batch_size, B) + 1) if B % d == 0)
+        rows = (traj.tokens, traj.valid, traj.loss_mask, traj.turn_index, weight) + (
+            (traj.window_turns(),) if algo.context_window else ())
+        parts = jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]), rows)
+        turns = traj.turn_end.shape[1]
+        return jax.lax.map(lambda xs: one(params, turns, *xs), parts).sum(0)
+
+    return jax.jit(score)
+
+
 @dataclasses.dataclass
 class Phase:
     """What an SFT phase builds once (beside the run's Experiment)."""
@@ -119,6 +161,8 @@ class Phase:
     step: object
     shardings: object  # the TrainState's shardings
     init: object  # jitted params -> TrainState
+    scorer: object  # `make_scorer`: the held-out demonstrations' scores
+    val_demos: dict | None = None  # `val_demos`, played at the first validation
 
 
 def build(config, exp) -> Phase:
@@ -137,12 +181,13 @@ def build(config, exp) -> Phase:
     shardings = update_lib.state_shardings(algo, exp.mesh, exp.policy.cfg)
     init = jax.jit(lambda actor: update_lib.init_train_state(algo, actor),
                    out_shardings=shardings)
-    return Phase(algo, demo, levels, make_step(algo, cfg), shardings, init)
+    return Phase(algo, demo, levels, make_step(algo, cfg), shardings, init,
+                 make_scorer(algo, cfg))
 
 
-def solver_success(exp, config) -> dict[str, float]:
-    """val/<tag>/solver_success: the solver's success on each validation set's levels, played
-    through the same dialogue (tags without a solver are left out)."""
+def val_demos(exp, config) -> dict:
+    """{tag: (Trajectory, metrics, weight)}: the solver's episodes of each validation set's
+    levels through the run's dialogue (tags without a solver are left out)."""
     from starpo import training
 
     out = {}
@@ -153,8 +198,47 @@ def solver_success(exp, config) -> dict[str, float]:
                                            config.sft.actions_per_turn)
         except ValueError:
             continue
-        traj, m, _ = demo(vs.env_state, jax.random.key(0))
-        out[f"val/{tag}/solver_success"] = evaluate.summarize(traj, m, vs.group_size)["success"]
+        out[tag] = demo(vs.env_state, jax.random.key(0))
+    return out
+
+
+def constant_accuracy(traj, weight) -> float:
+    """The weighted share of the demonstrations' replies that are their most common reply:
+    the `demo_accuracy` of a model that answers that reply every turn, blind to the state."""
+    traj, weight = sharding.to_host((traj, weight))
+    counts: dict = {}
+    for b in range(traj.tokens.shape[0]):
+        for k in range(traj.turn_end.shape[1]):
+            reply = traj.tokens[b][traj.loss_mask[b] & (traj.turn_index[b] == k)]
+            if len(reply):
+                key = tuple(reply.tolist())
+                counts[key] = counts.get(key, 0.0) + float(weight[b])
+    total = sum(counts.values())
+    return max(counts.values()) / total if total else 0.0
+
+
+def demo_validation(phase: Phase, exp, params, *, solver: bool = False) -> dict[str, float]:
+    """The held-out demonstrations' scores under `params`, per validation tag with a solver:
+    val/<tag>/demo_nll (per reply token) and val/<tag>/demo_accuracy (the share of replies
+    the model would write exactly: `make_scorer`); with `solver`, also
+    val/<tag>/solver_success, the solver's own success on those levels (SFT's ceiling), and
+    val/<tag>/demo_constant, the demo_accuracy of the best state-blind constant reply."""
+    if phase.val_demos is None:
+        phase.val_demos = val_demos(exp, exp.config)
+    out = {}
+    for tag, (traj, m, weight) in phase.val_demos.items():
+        vs = exp.val_sets[tag]
+        if solver:
+            out[f"val/{tag}/solver_success"] = evaluate.summarize(traj, m, vs.group_size)[
+                "success"]
+            out[f"val/{tag}/demo_constant"] = constant_accuracy(traj, weight)
+        lengths = sharding.to_host(traj.length)
+        trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1],
+                                 exp.config.trainer.context_bucket)
+        nll, tokens, exact, replies = (float(x) for x in sharding.to_host(
+            phase.scorer(params, traj.truncate(trained), weight)))
+        out[f"val/{tag}/demo_nll"] = nll / max(tokens, 1.0)
+        out[f"val/{tag}/demo_accuracy"] = exact / max(replies, 1.0)
     return out
 
 
@@ -183,7 +267,7 @@ def summary_line(n: int, total: int, s: dict) -> str:
     parts = [f"sft {n}/{total}", f"loss {s['sft/loss']:.4f}" if "sft/loss" in s else ""]
     for k, v in s.items():
         if k.startswith("val/") and k.split("/")[-1] in ("success", "action_is_valid",
-                                                         "solver_success"):
+                                                         "solver_success", "demo_accuracy"):
             parts.append(f"{k} {v:.3f}")
     if "timing/step" in s:
         parts.append(f"{s['timing/step']:.1f} s")
@@ -233,7 +317,7 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=p
 
     with training._Stop() as stop:
         if start == 0 and config.val.before_train:
-            scalars = {**solver_success(exp, config),
+            scalars = {**demo_validation(phase, exp, state.actor_params, solver=True),
                        **training.validate(exp, state.actor_params, writer, 0)}
             writer.write(0, scalars)
             log(summary_line(0, total, scalars))
@@ -246,6 +330,7 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True, log=p
             f = config.sft.test_freq
             if (f > 0 and n % f == 0) or (n == total and f > 0):
                 scalars.update(training.validate(exp, state.actor_params, writer, n))
+                scalars.update(demo_validation(phase, exp, state.actor_params))
             writer.write(n, scalars)
             (bar.write if progress else log)(summary_line(n, total, scalars))
             done_here += 1

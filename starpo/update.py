@@ -294,29 +294,37 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
     With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
     rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
     """
+    def head(logits, y):
+        if temperature != 1.0:
+            logits = logits / temperature
+        return losses.logprobs_and_entropy(logits, y)
+
+    return per_token(params, cfg, tokens, valid, head, chunk, window)
+
+
+def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, window=None):
+    """fn(logits [B,n,V], targets int[B,n]) -> a tuple of [B,n] arrays, run on the logits
+    that predict each token and aligned with the token (position 0: 0); with `chunk` > 0,
+    over `chunk` positions at a time, rematerialised in the backward pass."""
     tokens = sharding.constrain(tokens, ("batch", "length"))
     hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
     h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
 
     def head(params, h, y):
-        logits = model_lib.head_logits(params, cfg, h)
-        if temperature != 1.0:
-            logits = logits / temperature
-        return losses.logprobs_and_entropy(logits, y)
+        return fn(model_lib.head_logits(params, cfg, h), y)
 
     B, n, D = h.shape
     if chunk <= 0 or chunk >= n:
-        logp, entropy = head(params, h, targets)
+        out = head(params, h, targets)
     else:
         count = -(-n // chunk)
         pad = count * chunk - n
         h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, count, chunk, D).swapaxes(0, 1)
         y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, count, chunk).swapaxes(0, 1)
         one = jax.checkpoint(head)
-        logp, entropy = jax.lax.map(lambda xs: one(params, *xs), (h, y))  # [count,B,chunk]
-        logp = logp.swapaxes(0, 1).reshape(B, -1)[:, :n]
-        entropy = entropy.swapaxes(0, 1).reshape(B, -1)[:, :n]
-    return _shift_right(logp), _shift_right(entropy)
+        out = jax.lax.map(lambda xs: one(params, *xs), (h, y))  # [count,B,chunk] each
+        out = tuple(x.swapaxes(0, 1).reshape(B, -1)[:, :n] for x in out)
+    return tuple(_shift_right(x) for x in out)
 
 
 def token_values(params, cfg: ModelConfig, tokens, valid, window=None):

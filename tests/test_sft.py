@@ -18,6 +18,7 @@ import pytest
 import envs
 from configs import frozenlake, sokoban
 from starpo import checkpoint, config_check, demos, metrics, rollout, sft, training
+from starpo import model as model_lib
 from tests.test_training import with_changes
 
 LAKE_MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
@@ -137,7 +138,8 @@ def test_sokoban_demonstrations_solve_in_the_fewest_moves(tiny_tokenizer):
 
 def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path):
     """24 SFT steps of 32 demonstrations on the tiny FrozenLake model from scratch: the loss
-    falls by more than half and validation answers go from mostly invalid to valid; a 12-step
+    falls by more than half, validation answers go from mostly invalid to valid, and the
+    held-out demonstrations' NLL halves while their greedy accuracy rises; a 12-step
     phase stopped at step 5 and resumed logs the losses of the straight run's first 12 steps
     (the learning rate is constant: the phase's length changes nothing before its end); RL then
     starts from the SFT weights (its step-0 validation equals SFT's last, same levels and
@@ -169,6 +171,14 @@ def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path):
     assert valid[0][0] == 0 and valid[0][1] < 0.2, valid
     assert valid[-1][0] == 24 and valid[-1][1] >= 0.9, valid
     assert series(straight, "val/FrozenLake/solver_success")[0][1] >= 0.95
+    # the held-out demonstrations: the NLL falls, and the greedy answers match the solver's
+    # more often than at the start and than its most common reply alone
+    nll = series(straight, "val/FrozenLake/demo_nll")
+    accuracy = series(straight, "val/FrozenLake/demo_accuracy")
+    assert [s for s, _ in nll] == [0, 24] and nll[1][1] < 0.5 * nll[0][1], nll
+    constant = series(straight, "val/FrozenLake/demo_constant")[0][1]
+    assert 0 < constant < 1 and accuracy[1][1] > max(accuracy[0][1], constant), (accuracy,
+                                                                                constant)
     sft_last = metrics.read_jsonl(os.path.join(resumed, "sft", "metrics.jsonl"))[-1]
     rl_first = metrics.read_jsonl(os.path.join(resumed, "metrics.jsonl"))[0]
     for name in ("val/FrozenLake/success", "val/FrozenLake/action_is_valid"):
@@ -212,3 +222,44 @@ def test_bad_sft_configs_fail_at_start(lake, tmp_path):
         demos.make_demo_rollout(training.make_env(config, "FrozenLake"),
                                 training.load_policy(config).tokenizer,
                                 training.rollout_spec(config), actions_per_turn=2)
+
+
+def test_held_out_demonstrations_are_scored_token_by_token(lake):
+    """`sft.make_scorer` against a slow reference: the full logits of each row (one forward,
+    no chunks, no micro-batches), the NLL summed over reply tokens and, per turn, whether
+    every reply token is the logits' argmax, weighted by the rows' weights."""
+    config, policy = lake
+    config = with_changes(config, algorithm__logit_chunk_size=8, algorithm__micro_batch_size=4)
+    env = training.make_env(config, config.env.name)
+    play = demos.make_demo_rollout(env, policy.tokenizer, training.rollout_spec(config))
+    states, _ = rollout.initial_states(env, jax.random.key(0), 0, rollout.TRAIN, 6, 1)
+    traj, _, _ = play(states, jax.random.key(1))
+    weight = np.asarray([1.0, 0.0, 1.0, 1.0, 0.5, 1.0], np.float32)
+    # a half-trained model, so that some replies are right and some are not
+    trained = with_changes(config, sft__steps=1, sft__lr=3e-3)
+    exp = training.build(trained, policy)
+    phase = sft.build(trained, exp)
+    state = phase.init(policy.params)
+    for step in range(3):
+        state, _ = sft.train_step(phase, exp, state, step)
+    params = state.actor_params
+    got = np.asarray(sft.make_scorer(sft.sft_algo(config), policy.cfg)(params, traj, weight))
+
+    logits, _ = model_lib.forward(params, policy.cfg, traj.tokens, traj.valid)
+    logits, traj = np.asarray(logits, np.float64), jax.device_get(traj)
+    want = np.zeros(4)
+    for b in range(6):
+        for k in range(int(traj.turn_index[b].max()) + 1):
+            at = np.flatnonzero(traj.loss_mask[b] & (traj.turn_index[b] == k))
+            if not len(at):
+                continue
+            rows = logits[b, at - 1]
+            logp = rows - np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1,
+                                                                           keepdims=True))
+            logp -= rows.max(1, keepdims=True)
+            tokens = traj.tokens[b, at]
+            want += weight[b] * np.array([
+                -logp[np.arange(len(at)), tokens].sum(), len(at),
+                float(np.all(rows.argmax(1) == tokens)), 1.0])
+    assert 0 < want[2] < want[3], want  # some replies right, some wrong: the test can fail
+    np.testing.assert_allclose(got, want, rtol=1e-4)
