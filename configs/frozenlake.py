@@ -28,9 +28,9 @@ def get_config(arg=None):
         # then RL. On 256 held-out levels (README, "Supervised warm start"): valid answers
         # 0.00 -> 1.00, success 0.129, where the solver's expected success is 0.176 (73%; its
         # one sampled run logs 0.207: 62%) and a grid-blind constant move's 0.113. lr 5e-5 for
-        # 40 steps gave 0.117 and 3e-4 for 30 steps 0.125: in this budget SFT teaches the format,
-        # hardly the map, so more steps buy little. 23 min of steps (+8 min validation) on the
-        # shared 2-core CPU at load average 7-11.
+        # 40 steps gave 0.117 and 3e-4 for 30 steps 0.125: in this budget SFT teaches the format
+        # and only starts on the map (the held-out demonstrations' accuracy over 60 steps, and
+        # the wall time on 2 cores, idle and loaded: README).
         c.sft.update(dict(steps=20, env_groups=8, lr=3e-4, warmup_steps=3, test_freq=10,
                           save_freq=10))
     elif v == "tiny":
