@@ -136,7 +136,7 @@ def make_scorer(algo: update_lib.AlgoConfig, cfg):
         played = reply.any(-1)
         exact = played & jnp.all(greedy[:, None, :] | ~reply, axis=-1)
         w = weight[:, None]
-        return jnp.stack([-jnp.sum(logp * mask * weight[:, None]), jnp.sum(mask * w),
+        return jnp.stack([-jnp.sum(logp * mask * w), jnp.sum(mask * w),
                           jnp.sum(exact * w), jnp.sum(played * w)])
 
     def score(params, traj, weight):
@@ -144,7 +144,7 @@ def make_scorer(algo: update_lib.AlgoConfig, cfg):
         micro = max(d for d in range(1, min(algo.micro_batch_size, B) + 1) if B % d == 0)
         rows = (traj.tokens, traj.valid, traj.loss_mask, traj.turn_index, weight) + (
             (traj.window_turns(),) if algo.context_window else ())
-        parts = jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]), rows)
+        parts = update_lib._micro_split(rows, micro)
         turns = traj.turn_end.shape[1]
         return jax.lax.map(lambda xs: one(params, turns, *xs), parts).sum(0)
 
