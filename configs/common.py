@@ -123,6 +123,11 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # a run's workdir (or one checkpoint in it) of the same model.path: the actor starts
         # from its latest (or that) checkpoint's weights, e.g. an SFT run of launch/sft.py
         init_from="",
+        # LoRA (RAGEN's lora.rank / alpha / target_modules; starpo/lora.py): rank 0 = off,
+        # every weight trains; rank > 0 trains low-rank adapters on the target projections
+        # ("all-linear" or a comma list of q,k,v,o,gate,up,down / q_proj..down_proj) with the
+        # base weights frozen in the update's dtype; `+lora` after a variant turns it on
+        lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, target_modules="all-linear")),
     ))
 
     # The device mesh (starpo/sharding.py): batch rows split over data x fsdp, weights and
@@ -258,7 +263,7 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
     return c
 
 
-PRESETS = ("dapo",)  # algorithm presets after the variant and a "+" (`tiny+dapo`), or alone
+PRESETS = ("dapo", "lora")  # algorithm presets after the variant and a "+" (`tiny+dapo`), or alone
 
 
 def _split(arg: str | None) -> tuple[str, list[str]]:
@@ -284,7 +289,7 @@ def variant(arg: str | None, known: tuple[str, ...]) -> str:
 def apply_presets(c: ml_collections.ConfigDict, arg: str | None) -> None:
     """The presets of the variant argument, in order (after the variant's own settings)."""
     for preset in _split(arg)[1]:
-        {"dapo": dapo}[preset](c)
+        {"dapo": dapo, "lora": lora}[preset](c)
 
 
 def dapo(c: ml_collections.ConfigDict) -> None:
@@ -303,6 +308,12 @@ def dapo(c: ml_collections.ConfigDict) -> None:
         "overlong_penalty_factor": 1.0, "filter_groups_enable": True,
         "filter_groups_max_num_gen_batches": 10, "filter_groups_metric": "success",
         "clip_ratio_c": 10.0})
+
+
+def lora(c: ml_collections.ConfigDict) -> None:
+    """LoRA on every linear projection at RAGEN's paper setting (rank 64, alpha 64), for actor
+    and critic; the base weights are frozen and stored in the update's dtype."""
+    c.model.lora.update(dict(rank=64, alpha=64.0, target_modules="all-linear"))
 
 
 def cpu(c: ml_collections.ConfigDict) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import envs
-from starpo import model, sharding
+from starpo import lora, model, sharding
 from starpo.precision import phase_dtypes
 
 
@@ -159,6 +159,9 @@ def check(config) -> None:
         if refused:
             raise ConfigError(f"model.attention=cudnn: cuDNN's flash attention {refused}; "
                               f"use model.attention=auto")
+    if training.lora_settings(config) is not None:
+        _guard("model.lora", lambda s: lora.check(s["rank"], s["alpha"], s["targets"]),
+               training.lora_settings(config))
     if config.model.init_from:
         _guard("model.init_from", training.init_source, config)
     if config.model.critic_path:

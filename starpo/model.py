@@ -91,6 +91,10 @@ class ModelConfig:
     # rotary, attention and activations run again
     remat_policy: str = "full"
     attention: str = "auto"  # the kernels (see ATTENTION): auto | cpu | xla | cudnn
+    # LoRA adapters (`starpo/lora.py`): rank (0: none), alpha and the projections adapted
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -104,6 +108,8 @@ class ModelConfig:
                              f"{', '.join(REMAT_POLICIES)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}; known: {', '.join(ATTENTION)}")
+        if self.lora_rank < 0 or (self.lora_rank and not self.lora_targets):
+            raise ValueError(f"lora_rank={self.lora_rank} with targets {self.lora_targets}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -496,6 +502,28 @@ def _dense(features, axes, name, cfg, use_bias=False, in_axes=-1, init_scale=1.0
     )
 
 
+def _projection(x, features, axes, name, cfg, use_bias=False, in_axes=-1):
+    """A dense projection of x (a `_dense` named `name`), plus its LoRA adapter's
+    (alpha / r) (x A) B where `cfg.lora_targets` names it (`starpo/lora.py`; float32 A and B,
+    B zero at init)."""
+    y = _dense(features, axes, name, cfg, use_bias, in_axes)(x)
+    if not cfg.lora_rank or name not in cfg.lora_targets:
+        return y
+    n_in = len(np.atleast_1d(in_axes))
+
+    def adapter(features, axes, suffix, init, in_axes):
+        return nn.DenseGeneral(
+            features, axis=in_axes, use_bias=False, name=f"{name}{suffix}",
+            dot_general=_dot_f32 if kernels(cfg) == "cpu" else _dot_f32_xla,
+            dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32,
+            kernel_init=_partitioned(init, axes))
+
+    a_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+    h = adapter(cfg.lora_rank, axes[:n_in] + ("lora",), "_lora_a", a_init, in_axes)(x)
+    b = adapter(features, ("lora",) + axes[n_in:], "_lora_b", nn.initializers.zeros, -1)(h)
+    return y + b * (cfg.lora_alpha / cfg.lora_rank)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -517,9 +545,9 @@ class Attention(nn.Module):
         """
         cfg = self.cfg
         H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = _dense((H, E), ("embed", "heads", "head_dim"), "q", cfg, cfg.qkv_bias)(x)
-        k = _dense((K, E), ("embed", "kv_heads", "head_dim"), "k", cfg, cfg.qkv_bias)(x)
-        v = _dense((K, E), ("embed", "kv_heads", "head_dim"), "v", cfg, cfg.qkv_bias)(x)
+        q = _projection(x, (H, E), ("embed", "heads", "head_dim"), "q", cfg, cfg.qkv_bias)
+        k = _projection(x, (K, E), ("embed", "kv_heads", "head_dim"), "k", cfg, cfg.qkv_bias)
+        v = _projection(x, (K, E), ("embed", "kv_heads", "head_dim"), "v", cfg, cfg.qkv_bias)
         inv_freq = rope_inv_freq(cfg)
         B, T = x.shape[:2]
         q = apply_rope(q, positions, inv_freq).reshape(B, T, K, H // K, E) / math.sqrt(E)
@@ -529,8 +557,10 @@ class Attention(nn.Module):
         else:  # the attention products run in the compute dtype too (float32 accumulation)
             k, v = k.astype(cfg.dtype), v.astype(cfg.dtype)
 
-        out_proj = _dense(cfg.hidden_size, ("heads", "head_dim", "embed"), "o", cfg,
-                          in_axes=(-2, -1))
+        def out_proj(out):
+            return _projection(out, cfg.hidden_size, ("heads", "head_dim", "embed"), "o", cfg,
+                               in_axes=(-2, -1))
+
         if write is not None:
             out, new_kv = _attend_written_cache(q, k, v, kv, write)
             return out_proj(out), new_kv
@@ -705,9 +735,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        gate = _dense(cfg.intermediate_size, ("embed", "mlp"), "gate", cfg)(x)
-        up = _dense(cfg.intermediate_size, ("embed", "mlp"), "up", cfg)(x)
-        return _dense(cfg.hidden_size, ("mlp", "embed"), "down", cfg)(nn.silu(gate) * up)
+        gate = _projection(x, cfg.intermediate_size, ("embed", "mlp"), "gate", cfg)
+        up = _projection(x, cfg.intermediate_size, ("embed", "mlp"), "up", cfg)
+        return _projection(nn.silu(gate) * up, cfg.hidden_size, ("mlp", "embed"), "down", cfg)
 
 
 class Block(nn.Module):

@@ -43,7 +43,7 @@ import numpy as np
 from flax import struct
 
 from envs import text as env_text
-from starpo import dialogue, parsing, scripted
+from starpo import dialogue, lora, parsing, scripted
 from starpo import sampler as sampler_lib
 from starpo.trajectory import Trajectory, state_hash
 
@@ -631,7 +631,8 @@ def make_rollout(env, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpec(), *
 
 def make_mixed_rollout(mix, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpec(), *,
                        group_size: int, tags: tuple | None = None,
-                       compiler_options: dict | None = None) -> Rollout:
+                       compiler_options: dict | None = None,
+                       merge_adapters: bool = True) -> Rollout:
     """A rollout of one batch that mixes env variants: mix = ((env, groups), ...).
 
     Rows are laid out env by env, group by group (`groups_i x group_size` rows of env i); each
@@ -642,7 +643,14 @@ def make_mixed_rollout(mix, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpe
     seed + (groups of the envs before i) + g (`mixed_initial_states`);
     `run_from(params, key, env_states, group_id [B], temperature)` takes a tuple with one
     env state [groups_i * group_size] per env.
+
+    A LoRA model's adapters are merged into its weights once per call (`lora.merge`, in the
+    decode dtype) and the episodes sample the plain model; merge_adapters=False samples
+    through the adapters instead (`benchmarks/rollout.py` times both).
     """
+    adapted_cfg = model_cfg
+    if merge_adapters:
+        model_cfg = lora.merge(model_cfg, None)[0]
     if not mix or any(int(g) < 1 for _, g in mix):
         raise ValueError(f"a rollout needs at least one env and >= 1 group per env, got "
                          f"{[(getattr(e, 'name', e), g) for e, g in mix]}")
@@ -658,6 +666,8 @@ def make_mixed_rollout(mix, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpe
     T = context_length(setup)
 
     def play_from(params, key, env_states, group_id, temperature):
+        if merge_adapters:
+            params = lora.merge(adapted_cfg, params, jnp.dtype(model_cfg.dtype))[1]
         pstate = sampler_lib.init_state(model_cfg, group_id.shape[0], T, spec.cache_dtype,
                                         turns=spec.context_window > 0)
         policy = _model_policy(smp, params, temperature, stop_table)

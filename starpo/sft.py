@@ -40,7 +40,7 @@ import optax
 from starpo import checkpoint as ckpt_lib
 from starpo import demos
 from starpo import evaluate
-from starpo import losses
+from starpo import lora, losses
 from starpo import metrics as metrics_lib
 from starpo import rollout as rollout_lib
 from starpo import sharding
@@ -97,20 +97,20 @@ def make_step(algo: update_lib.AlgoConfig, cfg):
 
         def accumulate(carry, xs):
             grads, total = carry
-            loss, g = jax.value_and_grad(nll)(state.actor_params, *xs)
+            loss, g = lora.value_and_grad(nll)(state.actor_params, *xs)
             return (jax.tree_util.tree_map(jnp.add, grads, g), total + loss), None
 
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.actor_params)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, lora.split(state.actor_params)[0])
         (grads, total), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)), parts)
         grads = jax.tree_util.tree_map(lambda g: g / count, grads)
-        updates, opt_state = tx.update(grads, state.actor_opt_state, state.actor_params)
-        params = optax.apply_updates(state.actor_params, updates)
+        params, opt_state = lora.apply_updates(tx, state.actor_params, state.actor_opt_state,
+                                               grads)
         state = state.replace(step=state.step + 1, actor_steps=state.actor_steps + 1,
                               actor_params=params, actor_opt_state=opt_state)
         return state, {"sft/loss": total / count, "sft/grad_norm": optax.global_norm(grads),
                        "sft/tokens": mask.sum(), "sft/rows": weight.sum()}
 
-    return jax.jit(step, donate_argnums=0)
+    return update_lib.jit_state_fn(step)  # donates the state (a LoRA base excepted)
 
 
 @functools.lru_cache(maxsize=4)
@@ -178,8 +178,7 @@ def build(config, exp) -> Phase:
         env, key, seed, rollout_lib.TRAIN, G, 1))
     cfg = exp.policy.cfg.replace(dtype=phase_dtypes(config)["update"])
     shardings = update_lib.state_shardings(algo, exp.mesh, exp.policy.cfg)
-    init = jax.jit(lambda actor: update_lib.init_train_state(algo, actor),
-                   out_shardings=shardings)
+    init = update_lib.make_init(algo, shardings)
     return Phase(algo, demo, levels, make_step(algo, cfg), shardings, init,
                  make_scorer(algo, cfg))
 
@@ -295,7 +294,8 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
         target = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             jax.eval_shape(lambda: phase.init(exp.policy.params)), phase.shardings)
-        state, meta = ckpt.restore(None, target)
+        state, meta = ckpt.restore(None, update_lib.split_state(target)[0])
+        state = update_lib.join_state(state, (lora.split(exp.policy.params)[1], None))
         start = int(meta["step"])
     else:
         state = phase.init(exp.policy.params)
@@ -309,7 +309,7 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
               else metrics_lib.NullWriter())
 
     def save(step):
-        ckpt.save(step, state, {"step": step, "seed": config.seed, "phase": "sft",
+        ckpt.save(step, update_lib.split_state(state)[0], {"step": step, "seed": config.seed, "phase": "sft",
                                 "config": json.loads(training.config_json(config))})
 
     with training._Stop() as stop:

@@ -53,6 +53,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    ("lora", None),  # the rank of LoRA adapters (small: replicated)
     ("layers", None),
     ("length", None),  # tokens of a sequence / cache slots
     ("act_embed", None),  # model width of activations (the residual stream is not split)

@@ -40,6 +40,7 @@ from starpo import dialogue
 from starpo import evaluate
 from starpo import memory
 from starpo import filtering
+from starpo import lora
 from starpo import metrics as metrics_lib
 from starpo import model as model_lib
 from starpo import rollout as rollout_lib
@@ -186,19 +187,47 @@ def model_dtype(config) -> str:
     return phase_dtypes(config)["decode"]
 
 
+def lora_settings(config) -> dict | None:
+    """model.lora as `lora.attach`'s keywords, or None where it is off (rank 0, or a run saved
+    before the key existed)."""
+    c = config.model.get("lora")
+    if c is None or not c.rank:
+        return None
+    return dict(rank=c.rank, alpha=c.alpha, targets=c.target_modules)
+
+
+def with_adapters(config, model: weights.LoadedModel, salt: int = 0) -> weights.LoadedModel:
+    """`model` with fresh LoRA adapters where model.lora is on (drawn from the seed and `salt`),
+    its base weights stored in the update's dtype; else `model` itself."""
+    settings = lora_settings(config)
+    if settings is None:
+        return model
+    key = jax.random.fold_in(jax.random.key(config.seed), 2**30 + salt)
+    cfg, params = lora.attach(model.cfg, model.params, **settings, key=key,
+                              base_dtype=phase_dtypes(config)["update"])
+    return dataclasses.replace(model, cfg=cfg, params=params)
+
+
+def load_actor(directory: str, step: int | None, params):
+    """The actor weights of checkpoint `step` (None: the latest) in `directory`, shaped like
+    `params`. A LoRA run's checkpoints hold its adapters alone: the frozen base is `params`'."""
+    train, frozen = lora.split(params)
+    return lora.join(ckpt_lib.load_params(directory, step, jax.eval_shape(lambda p: p, train)),
+                     frozen)
+
+
 def load_policy(config, init_from: bool = True) -> weights.LoadedModel:
-    """The config's model; with `init_from` and `model.init_from` set, with that run's actor
-    weights."""
+    """The config's model (with LoRA adapters where model.lora is on); with `init_from` and
+    `model.init_from` set, with that run's actor weights."""
     m = config.model
     kwargs = dict(dtype=model_dtype(config), remat=m.remat,
                   remat_policy=m.get("remat_policy", "full"), attention=m.get("attention", "auto"))
     if m.path == "tiny" or m.path.startswith("tiny:"):
         kwargs["tiny_corpus"], kwargs["tiny_tokenizer"] = tiny_tokenizer_args(config)
-    policy = weights.load_model(m.path, **kwargs)
+    policy = with_adapters(config, weights.load_model(m.path, **kwargs))
     if init_from and m.get("init_from", ""):
         workdir, step = init_source(config)
-        params = ckpt_lib.load_params(os.path.join(workdir, "checkpoints"), step,
-                                      jax.eval_shape(lambda p: p, policy.params))
+        params = load_actor(os.path.join(workdir, "checkpoints"), step, policy.params)
         policy = dataclasses.replace(policy, params=params, source=f"{workdir}@{step}")
     return policy
 
@@ -241,10 +270,13 @@ def critic_params_from(config, actor: weights.LoadedModel):
         if c.cfg.vocab_size != actor.cfg.vocab_size:
             raise ValueError(f"critic {config.model.critic_path} has vocabulary {c.cfg.vocab_size}, "
                              f"the actor {actor.cfg.vocab_size}")
+        c = with_adapters(config, c, salt=1)
         return c.cfg, c.params
     cfg = actor.cfg.replace(value_head=True, dtype=phase_dtypes(config)["update"])
     D = cfg.hidden_size
-    params = jax.tree_util.tree_map(jnp.array, actor.params)  # own buffers: the state is donated
+    # own buffers for what trains (the state is donated); a frozen LoRA base is shared
+    train, frozen = lora.split(actor.params)
+    params = lora.join(jax.tree_util.tree_map(jnp.array, train), frozen)
     params["value_head"] = {"kernel": jnp.zeros((D, 1), jnp.float32),
                             "bias": jnp.zeros((1,), jnp.float32)}
     return cfg, params
@@ -302,8 +334,7 @@ def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
     update = update_lib.make_update(algo, update_cfg, critic_cfg, compiler_options=options,
                                      state_shardings=state_shardings, mesh=mesh)
     # a fresh state is created in place on the mesh: Adam moments born sharded like weights
-    init_state = jax.jit(lambda actor, critic: update_lib.init_train_state(algo, actor, critic),
-                         out_shardings=state_shardings)
+    init_state = update_lib.make_init(algo, state_shardings)
 
     val_sets = {}
     v = config.val
@@ -370,6 +401,12 @@ def initial_train_state(exp: Experiment) -> update_lib.TrainState:
     """A fresh TrainState holding its own copies of the initial weights (the update donates
     its state, and the experiment may start several runs), placed on the mesh."""
     return exp.init_state(exp.policy.params, exp.critic_params)
+
+
+def frozen_params(exp: Experiment):
+    """The frozen (LoRA base) part of the actor's and the critic's weights: what a checkpoint
+    does not hold (`update.split_state`'s second half)."""
+    return lora.split(exp.policy.params)[1], lora.split(exp.critic_params)[1]
 
 
 def state_target(exp: Experiment):
@@ -638,8 +675,7 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
         elif phase is not None and exp.algo.uses_reference:  # RL resumes: its KL reference
             sft_ckpt = os.path.join(workdir, "sft", "checkpoints")  # is where SFT ended
             exp = with_actor(exp, sharding.put(
-                ckpt_lib.load_params(sft_ckpt, None,
-                                     jax.eval_shape(lambda p: p, exp.policy.params)),
+                load_actor(sft_ckpt, None, exp.policy.params),
                 model_lib.param_shardings(exp.policy.cfg, exp.mesh)))
         return _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, log,
                     planned)
@@ -719,7 +755,8 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
         write_config(workdir, config)
     start, detector = 0, metrics_lib.CollapseDetector(window=config.trainer.collapse_window)
     if resuming and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(None, state_target(exp))
+        state, meta = ckpt.restore(None, update_lib.split_state(state_target(exp))[0])
+        state = update_lib.join_state(state, frozen_params(exp))
         start = int(meta["step"])
         counter = int(meta.get("env_seed_counter", start * config.rollout.env_groups))
         detector.load_state_dict(meta["collapse_detector"])
@@ -749,8 +786,8 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
                 _measured_peaks(scalars, planned, say)
         return scalars
 
-    def save(step):
-        ckpt.save(step, state, {"step": step, "env_seed_counter": counter,
+    def save(step):  # a LoRA run's checkpoint holds what trains, not its frozen base
+        ckpt.save(step, update_lib.split_state(state)[0], {"step": step, "env_seed_counter": counter,
                                 "seed": config.seed, "config": json.loads(config_json(config)),
                                 "collapse_detector": detector.state_dict()})
 
@@ -886,7 +923,8 @@ def load_run(path: str, step: int | None = None):
         step = int(os.path.basename(os.path.normpath(path)))
     with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
         config = config_from_json(f.read())
-    policy = load_policy(config, init_from=False)  # its own checkpoint's weights replace them
+    # its own checkpoint's weights replace them (a LoRA run's: the adapters, on the same base)
+    policy = load_policy(config, init_from=False)
     directory = os.path.join(workdir, "checkpoints")
     if step is None:
         reader = ckpt_lib.Checkpointer(directory, read_only=True)
@@ -894,6 +932,6 @@ def load_run(path: str, step: int | None = None):
         reader.close()
         if step is None:
             raise FileNotFoundError(f"{workdir} has no complete checkpoint")
-    params = ckpt_lib.load_params(directory, step, jax.eval_shape(lambda p: p, policy.params))
+    params = load_actor(directory, step, policy.params)
     policy = dataclasses.replace(policy, params=params, source=f"{workdir}@{step}")
     return config, policy, step

@@ -14,7 +14,9 @@
    update whose loss or gradients are not finite is skipped and counted; one whose mini-batch
    holds no loss token (top_p masks them) is skipped, so AdamW does not step on nothing.
 
-The state is donated. Knob names follow the reference (REFERENCE.md section 4).
+The state is donated, except for frozen weights (LoRA's base, `starpo/lora.py`): those pass
+through as the same buffers, and gradients, AdamW moments and the clipping norm cover the
+trainable part alone. Knob names follow the reference (REFERENCE.md section 4).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import optax
 from flax import struct
 
 from starpo import advantages as adv_lib
-from starpo import filtering, losses
+from starpo import filtering, lora, losses
 from starpo import model as model_lib
 from starpo import sharding
 from starpo.config_check import ConfigError, check_rules, within
@@ -261,10 +263,59 @@ def init_train_state(algo: AlgoConfig, actor_params, critic_params=None) -> Trai
         step=jnp.zeros((), jnp.int32), actor_steps=jnp.zeros((), jnp.int32),
         critic_steps=jnp.zeros((), jnp.int32),
         actor_params=actor_params,
-        actor_opt_state=make_optimizer(algo.actor_lr, algo).init(actor_params),
+        actor_opt_state=make_optimizer(algo.actor_lr, algo).init(lora.split(actor_params)[0]),
         critic_params=critic,
         critic_opt_state=None if critic is None else make_optimizer(algo.critic_lr, algo).init(
-            critic))
+            lora.split(critic)[0]))
+
+
+def make_init(algo: AlgoConfig, state_shardings=None):
+    """init(actor_params, critic_params=None) -> a fresh TrainState (`init_train_state`), placed
+    by `state_shardings`: its trainable parameters fresh copies (the update donates them), its
+    frozen ones (a LoRA base) the very buffers passed in."""
+    out = None if state_shardings is None else split_state(state_shardings)[0]
+    jitted = jax.jit(lambda actor, critic: init_train_state(algo, actor, critic),
+                     out_shardings=out)
+
+    def init(actor_params, critic_params=None):
+        (a_t, a_f), (c_t, c_f) = lora.split(actor_params), lora.split(critic_params)
+        return join_state(jitted(a_t, c_t), (a_f, c_f))
+    return init
+
+
+def split_state(state: TrainState):
+    """(the state with only the trainable part of its parameters, their frozen part as
+    (actor, critic)): without LoRA (the whole state, ({}, {} or None))."""
+    (a_t, a_f), (c_t, c_f) = lora.split(state.actor_params), lora.split(state.critic_params)
+    return state.replace(actor_params=a_t, critic_params=c_t), (a_f, c_f)
+
+
+def join_state(state: TrainState, frozen) -> TrainState:
+    """`split_state`'s inverse."""
+    return state.replace(actor_params=lora.join(state.actor_params, frozen[0]),
+                         critic_params=lora.join(state.critic_params, frozen[1]))
+
+
+def jit_state_fn(fn, out_shardings=None, **jit_kwargs):
+    """jit(fn) for fn(state, *args) -> (state, out), donating the state's trainable part only:
+    frozen weights go in undonated and the result holds the very same buffers (so the actor,
+    its critic copy and a KL reference can share one copy of a LoRA base). `out_shardings`:
+    (state shardings, out's). The result's `.lower(state, *args)` lowers the program."""
+    def inner(trainable, frozen, *args):
+        state, out = fn(join_state(trainable, frozen), *args)
+        return split_state(state)[0], out
+
+    if out_shardings is not None:
+        out_shardings = (split_state(out_shardings[0])[0], out_shardings[1])
+    jitted = jax.jit(inner, donate_argnums=0, out_shardings=out_shardings, **jit_kwargs)
+
+    def call(state, *args):
+        trainable, frozen = split_state(state)
+        new, out = jitted(trainable, frozen, *args)
+        return join_state(new, frozen), out
+
+    call.lower = lambda state, *args: jitted.lower(*split_state(state), *args)
+    return call
 
 
 @struct.dataclass
@@ -592,13 +643,15 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         ("actor/kl_loss",) if algo.use_kl_loss else ())
     critic_names = ("critic/vf_loss", "critic/vf_clipfrac")
 
-    actor_vg = jax.value_and_grad(functools.partial(_actor_loss, algo, actor_cfg), has_aux=True)
-    critic_vg = jax.value_and_grad(functools.partial(_critic_loss, algo, critic_cfg), has_aux=True)
+    # gradients of the trainable parameters only (all of them without LoRA)
+    actor_vg = lora.value_and_grad(functools.partial(_actor_loss, algo, actor_cfg), has_aux=True)
+    critic_vg = lora.value_and_grad(functools.partial(_critic_loss, algo, critic_cfg),
+                                    has_aux=True)
 
     def zeros(params, names):
         """The accumulator's start: zero grads and zero sum-form stats (built from known
         structure rather than by tracing the model once more)."""
-        return (jax.tree_util.tree_map(jnp.zeros_like, params),
+        return (jax.tree_util.tree_map(jnp.zeros_like, lora.split(params)[0]),
                 {name: jnp.zeros((), jnp.float32) for name in names})
 
     def grads(actor_params, critic_params, mb: Batch):
@@ -693,11 +746,13 @@ def kept_minibatch_order(algo: AlgoConfig, keep: jax.Array, groups: int, key: ja
 
 
 def _apply(tx, params, opt_state, grads, apply):
-    """One optimizer step, applied only where `apply` (bool[]) holds."""
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    """One optimizer step of the trainable parameters, applied only where `apply` (bool[])
+    holds; frozen ones come back untouched."""
+    train, frozen = lora.split(params)
+    updates, new_opt_state = tx.update(grads, opt_state, train)
+    new_params = optax.apply_updates(train, updates)
     pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(apply, a, b), new, old)
-    return pick(new_params, params), pick(new_opt_state, opt_state)
+    return lora.join(pick(new_params, train), frozen), pick(new_opt_state, opt_state)
 
 
 def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None,
@@ -748,7 +803,10 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
             order, real = kept_minibatch_order(algo, keep, groups, key)
         train_actor = state.step >= algo.critic_warmup if algo.uses_critic else jnp.bool_(True)
 
-        def one_update(state: TrainState, xs):
+        trainable, frozen = split_state(state)  # the loop carries the trainable part alone
+
+        def one_update(trainable: TrainState, xs):
+            state = join_state(trainable, frozen)
             rows, is_real = xs
             mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
             # During critic warm-up the actor's gradient is still computed but not applied: a
@@ -776,9 +834,10 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
                                                    state.critic_opt_state, critic_g, ok & some)
                 state = state.replace(critic_params=critic_params, critic_opt_state=critic_opt,
                                       critic_steps=state.critic_steps + (ok & some))
-            return state, m
+            return split_state(state)[0], m
 
-        state, per_update = jax.lax.scan(one_update, state, (order, real))
+        trainable, per_update = jax.lax.scan(one_update, trainable, (order, real))
+        state = join_state(trainable, frozen)
         taken = real.sum()
         for name, values in per_update.items():
             summed = name in ("actor/nonfinite_skipped", "actor/online_k",
@@ -793,8 +852,7 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
     out_shardings = None
     if state_shardings is not None:
         out_shardings = (state_shardings, sharding.replicated(mesh))
-    return jax.jit(update, donate_argnums=0, compiler_options=compiler_options,
-                   out_shardings=out_shardings)
+    return jit_state_fn(update, out_shardings, compiler_options=compiler_options)
 
 
 def state_shardings(algo: AlgoConfig, mesh, actor_cfg: ModelConfig,
@@ -807,7 +865,7 @@ def state_shardings(algo: AlgoConfig, mesh, actor_cfg: ModelConfig,
         lambda a, c: init_train_state(algo, a, c), model_lib.abstract_params(actor_cfg),
         model_lib.abstract_params(critic_cfg) if critic else None)
     opt = lambda lr, params, sh: sharding.optimizer_shardings(  # noqa: E731
-        make_optimizer(lr, algo), params, sh, mesh)
+        make_optimizer(lr, algo), params, lora.split(sh)[0], mesh)
     rep = sharding.replicated(mesh)
     return TrainState(
         step=rep, actor_steps=rep, critic_steps=rep, actor_params=actor,
