@@ -4,7 +4,8 @@
 
 --checkpoint: a training workdir (its latest checkpoint, or --step) or one of its checkpoints.
 Writes model.safetensors (float32), config.json, generation_config.json and the tokenizer files
-(chat template included); the directory appears complete or not at all.
+(chat template included); the directory appears complete or not at all. A LoRA run's adapters
+are merged into the weights it writes.
 """
 
 import os
@@ -25,13 +26,16 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments: {argv[1:]}")
-    from starpo import training, weights
+    import jax.numpy as jnp
+
+    from starpo import lora, training, weights
 
     if os.path.exists(FLAGS.out):
         raise ValueError(f"{FLAGS.out} already exists")
     _, policy, step = training.load_run(FLAGS.checkpoint, FLAGS.step)
-    weights.save_hf_dir(FLAGS.out, policy.cfg.replace(value_head=False), policy.params,
-                        policy.tokenizer)
+    # a LoRA run's adapters are folded into the weights (W + alpha/r A B, in float32)
+    cfg, params = lora.merge(policy.cfg, policy.params, jnp.float32)
+    weights.save_hf_dir(FLAGS.out, cfg.replace(value_head=False), params, policy.tokenizer)
     print(f"wrote {FLAGS.out} (step {step}, {policy.cfg.num_params / 1e6:.1f}M params)")
 
 

@@ -159,9 +159,9 @@ def check(config) -> None:
         if refused:
             raise ConfigError(f"model.attention=cudnn: cuDNN's flash attention {refused}; "
                               f"use model.attention=auto")
-    if training.lora_settings(config) is not None:
-        _guard("model.lora", lambda s: lora.check(s["rank"], s["alpha"], s["targets"]),
-               training.lora_settings(config))
+    if config.model.get("lora") is not None:  # checked even while off (rank 0)
+        lc = config.model.lora
+        _guard("model.lora", lora.check, lc.rank, lc.alpha, lc.target_modules)
     if config.model.init_from:
         _guard("model.init_from", training.init_source, config)
     if config.model.critic_path:

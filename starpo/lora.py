@@ -25,7 +25,9 @@ the decode-dtype copy of the weights the sampler makes anyway. Export merges the
 
 Config keys (RAGEN's `lora.rank`, `lora.alpha`, `lora.target_modules`): `model.lora.rank`
 (0: off), `model.lora.alpha`, `model.lora.target_modules` ("all-linear" or a comma list of
-q, k, v, o, gate, up, down, or their Hugging Face names q_proj ... down_proj).
+q, k, v, o, gate, up, down, or their Hugging Face names q_proj ... down_proj; "embed" /
+"embed_tokens" adapts the token embedding, which a tied output head shares: "all-linear" leaves
+it out, as PEFT's does).
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # what "all-linear" adapts
+TARGETS = LINEAR + ("embed",)
 HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
-            "up_proj": "up", "down_proj": "down"}
+            "up_proj": "up", "down_proj": "down", "embed_tokens": "embed"}
 SUFFIXES = ("_lora_a", "_lora_b")
 # where each target lives in a layer's params, and how many of its kernel's leading axes
 # (after the stacked layer axis) are inputs
 _WHERE = {"q": ("attn", 1), "k": ("attn", 1), "v": ("attn", 1), "o": ("attn", 2),
-          "gate": ("mlp", 1), "up": ("mlp", 1), "down": ("mlp", 1)}
+          "gate": ("mlp", 1), "up": ("mlp", 1), "down": ("mlp", 1), "embed": ("", 1)}
 
 
 def parse_targets(spec) -> tuple[str, ...]:
@@ -51,10 +54,11 @@ def parse_targets(spec) -> tuple[str, ...]:
     names), in `TARGETS` order. ValueError (one line) for an unknown or empty list."""
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     names = [str(n).strip() for n in names if str(n).strip()]
-    if names == ["all-linear"]:
-        return TARGETS
     out = set()
     for n in names:
+        if n == "all-linear":
+            out.update(LINEAR)
+            continue
         name = HF_NAMES.get(n, n)
         if name not in TARGETS:
             raise ValueError(f"model.lora.target_modules: unknown module {n!r}; known: "
@@ -67,10 +71,10 @@ def parse_targets(spec) -> tuple[str, ...]:
 
 
 def check(rank, alpha, targets) -> tuple[str, ...]:
-    """The parsed targets; ValueError (one line) for rank <= 0, alpha <= 0 or bad targets."""
-    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank <= 0:
-        raise ValueError(f"model.lora.rank must be a positive integer (0 turns LoRA off), "
-                         f"got {rank!r}")
+    """The parsed targets; ValueError (one line) for a rank that is not an integer >= 0 (0 turns
+    LoRA off, as RAGEN's lora.rank), alpha <= 0 or bad targets (checked whatever the rank)."""
+    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"model.lora.rank must be an integer >= 0 (0 = off), got {rank!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
         raise ValueError(f"model.lora.alpha must be > 0, got {alpha!r}")
     return parse_targets(targets)
@@ -156,7 +160,7 @@ def adapter_shapes(cfg) -> dict:
     r = cfg.lora_rank
     shapes = {"q": ((D,), (H, E)), "k": ((D,), (K, E)), "v": ((D,), (K, E)),
               "o": ((H, E), (D,)), "gate": ((D,), (F,)), "up": ((D,), (F,)),
-              "down": ((F,), (D,))}
+              "down": ((F,), (D,)), "embed": ((cfg.vocab_size,), (D,))}
     return {t: (shapes[t][0] + (r,), (r,) + shapes[t][1]) for t in cfg.lora_targets}
 
 
@@ -164,8 +168,8 @@ def num_adapter_params(cfg) -> int:
     """The adapters' weights in all layers (0 without LoRA)."""
     if not cfg.lora_rank:
         return 0
-    return cfg.num_layers * sum(math.prod(a) + math.prod(b)
-                                for a, b in adapter_shapes(cfg).values())
+    return sum((1 if t == "embed" else cfg.num_layers) * (math.prod(a) + math.prod(b))
+               for t, (a, b) in adapter_shapes(cfg).items())
 
 
 def attach(cfg, params, rank: int, alpha: float, targets, key, base_dtype=None):
@@ -173,19 +177,26 @@ def attach(cfg, params, rank: int, alpha: float, targets, key, base_dtype=None):
     uniform in +-1/sqrt(fan_in) (PEFT's kaiming-uniform with a = sqrt(5)), B is zero; both
     float32. `base_dtype`: the frozen weights are stored in it (None: as loaded)."""
     targets = check(rank, alpha, targets)
+    if not rank:
+        raise ValueError("model.lora.rank 0 means no adapters to attach")
     cfg = cfg.replace(lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=targets)
     if base_dtype is not None:
         params = jax.tree_util.tree_map(lambda p: p.astype(jnp.dtype(base_dtype)), params)
     layers = {k: dict(v) for k, v in params["layers"].items()}
     L = cfg.num_layers
+    top = {}
     for i, (t, (a_shape, b_shape)) in enumerate(adapter_shapes(cfg).items()):
+        if t == "embed":  # the table's A is drawn N(0, 1) (PEFT's random factor of an Embedding)
+            top = {"embed_lora_a": jax.random.normal(jax.random.fold_in(key, i), a_shape),
+                   "embed_lora_b": jnp.zeros(b_shape, jnp.float32)}
+            continue
         where, n_in = _WHERE[t]
         bound = 1.0 / math.sqrt(math.prod(a_shape[:n_in]))
         a = jax.random.uniform(jax.random.fold_in(key, i), (L,) + a_shape, jnp.float32,
                                -bound, bound)
         layers[where][f"{t}_lora_a"] = {"kernel": a}
         layers[where][f"{t}_lora_b"] = {"kernel": jnp.zeros((L,) + b_shape, jnp.float32)}
-    return cfg, {**params, "layers": layers}
+    return cfg, {**params, **top, "layers": layers}
 
 
 def delta(cfg, target: str, a, b):
@@ -209,7 +220,14 @@ def merge(cfg, params, dtype=None):
     if not cfg.lora_rank or params is None:
         return (plain if cfg.lora_rank else cfg), params
     layers = {k: dict(v) for k, v in params["layers"].items()}
+    params = dict(params)
     for t in cfg.lora_targets:
+        if t == "embed":
+            a, b = params.pop("embed_lora_a"), params.pop("embed_lora_b")
+            w = params["embed"]["embedding"]
+            merged = w.astype(jnp.float32) + delta(cfg, t, a, b)
+            params["embed"] = {"embedding": merged.astype(dtype or w.dtype)}
+            continue
         where, _ = _WHERE[t]
         a = layers[where].pop(f"{t}_lora_a")["kernel"]
         b = layers[where].pop(f"{t}_lora_b")["kernel"]

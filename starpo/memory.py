@@ -9,7 +9,9 @@ Each phase is the sum of named parts, per device (weights and optimizer states s
 mesh's fsdp x tensor axes, batch rows over data x fsdp). The parts follow the programs'
 structure (the buffers XLA's buffer assignment shows for them):
 - state: actor weights, AdamW moments (2 per weight), the critic's copy with its moments, the
-  frozen reference for a KL term; all float32 master copies.
+  frozen reference for a KL term; all float32 master copies. With LoRA (`model.lora`): one
+  frozen base in the update's dtype, which the actor, the critic copy and the reference share,
+  and float32 adapters with their moments per model.
 - rollout / validation (B episodes at once, cache S slots): the KV cache, 2 x L x B x K x S x E
   in the decode dtype, held about 1.5 times over inside the episode loop (3 times with decode
   windows: each window's decode loop holds its slice of it); the weights cast for decoding (one more
@@ -33,6 +35,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from starpo import lora
 from starpo.model import CACHE_QUERY_BLOCK, ModelConfig
 
 GB = 1e9
@@ -57,9 +60,18 @@ def _bytes(dtype: str) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-def state_parts(algo, cfg: ModelConfig, model_shards: int) -> tuple:
+def state_parts(algo, cfg: ModelConfig, model_shards: int, base_dtype: str = "float32") -> tuple:
     """(what, bytes) of the TrainState and the reference weights, per device (`algo`: the
-    run's `update.AlgoConfig`)."""
+    run's `update.AlgoConfig`; `base_dtype`: a LoRA base's)."""
+    if cfg.lora_rank:  # one shared frozen base; per model, float32 adapters (+ 2 moments)
+        a = lora.num_adapter_params(cfg) * 4 / model_shards
+        parts = [("frozen base weights (shared)", cfg.num_params * _bytes(base_dtype)
+                  / model_shards), ("actor adapters + AdamW moments", 3 * a)]
+        if algo.uses_critic:
+            parts += [("critic adapters + moments", 3 * a)]
+        if algo.uses_reference:
+            parts += [("reference adapters", a)]
+        return tuple(parts)
     p = cfg.num_params * 4 / model_shards
     parts = [("actor weights", p), ("actor AdamW moments", 2 * p)]
     if algo.uses_critic:
@@ -122,7 +134,8 @@ def update_parts(config, algo, cfg: ModelConfig, rows: float, micro: float, cont
         saved = L * M * T * D * 4
     chunk = min(algo.logit_chunk_size or T, T)
     critic = 2.0 if algo.uses_critic else 1.0
-    grads = cfg.num_params * 4 / model_shards * critic
+    trained = lora.num_adapter_params(cfg) if cfg.lora_rank else cfg.num_params
+    grads = trained * 4 / model_shards * critic
     return (
         ("gradient accumulators", grads),
         ("saved activations", saved * critic),
@@ -146,7 +159,11 @@ def plan(config, cfg: ModelConfig, *, mesh_shape=(1, 1, 1), prompt_tokens: int =
     batch_shards, model_shards = data * fsdp, fsdp * tensor
     r, v = config.rollout, config.val
     algo = training.algo_config(config)
-    state = state_parts(algo, cfg, model_shards)
+    settings = training.lora_settings(config)
+    if settings is not None and not cfg.lora_rank:  # a model shape: the config's adapters
+        cfg = cfg.replace(lora_rank=int(settings["rank"]), lora_alpha=float(settings["alpha"]),
+                          lora_targets=lora.parse_targets(settings["targets"]))
+    state = state_parts(algo, cfg, model_shards, update_dtype)
     episodes = dict(decode_dtype=decode_dtype, windows=r.get("decode_windows", 1),
                     prompt_tokens=prompt_tokens, model_shards=model_shards)
     S, S_val = contexts or (r.max_context, r.max_context)

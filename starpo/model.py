@@ -838,6 +838,13 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
             param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=_partitioned(nn.initializers.normal(0.02), ("vocab", "embed")))
+        if cfg.lora_rank and "embed" in cfg.lora_targets:  # LoRA on the (tied) table
+            self.embed_lora_a = self.param(
+                "embed_lora_a", _partitioned(nn.initializers.normal(1.0), ("vocab", "lora")),
+                (cfg.vocab_size, cfg.lora_rank), jnp.float32)
+            self.embed_lora_b = self.param(
+                "embed_lora_b", _partitioned(nn.initializers.zeros, ("lora", "embed")),
+                (cfg.lora_rank, cfg.hidden_size), jnp.float32)
         self.layers = nn.scan(
             Block, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(0, nn.broadcast), length=cfg.num_layers,
@@ -859,7 +866,18 @@ class Transformer(nn.Module):
         where it is used): a gather from a table split over vocabulary and width cannot yield
         rows split over the batch without the compiler replicating everything."""
         table = constrain(self.embed.embedding, (None, None))
-        return constrain(jnp.take(table, tokens, axis=0).astype(jnp.float32), ACTIVATION_AXES)
+        x = jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        if self._embed_adapted():  # + (alpha / r) A[tokens] B
+            a = jnp.take(constrain(self.embed_lora_a, (None, None)), tokens, axis=0)
+            x = x + self._lora_scale() * jnp.dot(a, self.embed_lora_b,
+                                                 precision=jax.lax.Precision.HIGHEST)
+        return constrain(x, ACTIVATION_AXES)
+
+    def _embed_adapted(self) -> bool:
+        return bool(self.cfg.lora_rank) and "embed" in self.cfg.lora_targets
+
+    def _lora_scale(self) -> float:
+        return self.cfg.lora_alpha / self.cfg.lora_rank
 
     def final_hidden(self, x):
         return self.final_norm(x)
@@ -874,6 +892,11 @@ class Transformer(nn.Module):
                 out = _matmul(rows, table, 1)
             else:
                 out = _dot_f32_xla(rows, table, (((1,), (1,)), ((), ())))
+            if self._embed_adapted():  # + (alpha / r) rows B^T A^T, never the [V,D] delta
+                low = jnp.dot(rows.astype(jnp.float32), self.embed_lora_b.T,
+                              precision=jax.lax.Precision.HIGHEST)
+                out = out + self._lora_scale() * jnp.dot(low, self.embed_lora_a.T,
+                                                         precision=jax.lax.Precision.HIGHEST)
             out = out.reshape(*hidden.shape[:-1], table.shape[0])
         else:
             out = self.lm_head(hidden)

@@ -97,6 +97,9 @@ BAD = {
     "model.dtype": ["float64", "1"],
     "model.remat": ["maybe"],
     "model.remat_policy": ["everything"],
+    "model.lora.rank": ["-1"],
+    "model.lora.alpha": ["0", "-2"],
+    "model.lora.target_modules": ["attn", "q,lm_head", ""],
     # cudnn: only an NVIDIA GPU runs it (issue 34: a one-line error, not a backward's crash)
     "model.attention": ["flash"] + ([] if model.gpu_capability() else ["cudnn"]),
     "mesh.data": ["x", "0", "-2"],
