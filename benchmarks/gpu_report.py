@@ -2,8 +2,8 @@
 GPU-relevant tests, the update and sampler benchmarks against PyTorch at Qwen2.5-0.5B's shape,
 and one paper FrozenLake iteration phase by phase (its memory plan beside the measured peaks,
 the sampler/trainer log-prob mismatch, the rollout against its memory-bandwidth bound). Writes
-OUT/report.json and prints a summary table
-against issue 34's targets; each step's log is OUT/<step>.log.
+OUT/report.json and prints a summary table against issue 34's targets; each step's log is
+OUT/<step>.log.
 
   python -m benchmarks.gpu_report                  # ~8 minutes on one H100 / H200
   python -m benchmarks.gpu_report --steps=update,iteration --out=/tmp/gpu
