@@ -1,8 +1,9 @@
-"""Every GPU figure of the README from one run: the GPU-relevant tests, the update and sampler
-benchmarks against PyTorch at Qwen2.5-0.5B's shape, and one paper FrozenLake iteration phase by
-phase (its memory plan beside the measured peaks, the sampler/trainer log-prob mismatch, the
-rollout against its memory-bandwidth bound). Writes OUT/report.json and prints a summary table
-against issue 34's targets; each step's log is OUT/<step>.log.
+"""Every GPU figure of docs/results.md and the README's results table from one run: the
+GPU-relevant tests, the update and sampler benchmarks against PyTorch at Qwen2.5-0.5B's shape,
+and one paper FrozenLake iteration phase by phase (its memory plan beside the measured peaks,
+the sampler/trainer log-prob mismatch, the rollout against its memory-bandwidth bound). Writes
+OUT/report.json and prints a summary table against issue 34's targets; each step's log is
+OUT/<step>.log.
 
   python -m benchmarks.gpu_report                  # ~8 minutes on one H100 / H200
   python -m benchmarks.gpu_report --steps=update,iteration --out=/tmp/gpu
@@ -105,7 +106,7 @@ def run_step(name: str, limit: float, argv: list, out: str) -> dict:
 
 
 def headline(report: dict) -> dict:
-    """The figures the README states and issue 34 sets targets for (None where not measured)."""
+    """The figures docs/results.md states and issue 34 sets targets for (None where not measured)."""
     s = report["steps"]
 
     def get(step, *keys):

@@ -5,7 +5,7 @@ pays more on average. Validation also runs on BanditTest (Trader / Librarian), t
 generalisation probe.
 
 - cpu: the embedded SmolLM2-135M on a 2-core laptop, the README's first command (its measured
-  curves, per seed, are in the README). The untrained model rarely answers in the required
+  curves, per seed, are in docs/results.md). The untrained model rarely answers in the required
   format at temperature 1 and prefers Phoenix; it learns the format and, through the StarPO-S
   filter below, the high-risk arm.
 - gpu: SmolLM2-135M on one GPU (configs/common.py `gpu`) without the warm start (the Bandit
@@ -53,7 +53,7 @@ def get_config(arg=None):
         c.rollout.update(dict(max_turn=1, env_groups=8, group_size=8))
         c.val.update(dict(tags="Bandit", test_freq=5))
         # Dr. GRPO, as in cpu: with std-normalised groups the learned preference for the
-        # high-risk arm was unstable (README)
+        # high-risk arm was unstable (docs/results.md, "Why the configs' settings")
         c.algorithm.norm_adv_by_std_in_grpo = False
         c.algorithm.update(dict(actor_lr=1e-2, ppo_mini_batch_size=64, micro_batch_size=64,
                                 entropy_coeff=0.0))

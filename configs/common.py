@@ -90,7 +90,7 @@ ALGORITHM = dict(
     ppo_epochs=1,
     online_k=0,  # optimizer updates per rollout batch; 0 = ppo_epochs x mini-batches
     # tokens per chunk of the log-prob head (0 = the whole sequence): [rows, 64, vocab] float32
-    # logits at a time instead of [rows, T, vocab], recomputed in the backward pass (README)
+    # logits at a time instead of [rows, T, vocab], recomputed in the backward pass (docs/gpu_tpu.md)
     logit_chunk_size=64,
 )
 
@@ -325,7 +325,7 @@ def cpu(c: ml_collections.ConfigDict) -> None:
     """Shrink a paper-sized config for the embedded SmolLM2-135M on a 2-core CPU.
 
     Why each value: a 135M model decodes and trains only some tens to a hundred and more
-    tokens per second on 2 cores (README), so the run keeps few episodes (8 groups x 4), short answers
+    tokens per second on 2 cores (docs/results.md), so the run keeps few episodes (8 groups x 4), short answers
     (thinking off, 40 new tokens, 3 turns) and a context sized to the dialogue; GRPO rather
     than a critic (the critic's forward and backward would double the update); the filter keeps
     half the groups (a quarter of 8 would leave 8 rows); two optimizer updates per batch at the
@@ -340,7 +340,7 @@ def cpu(c: ml_collections.ConfigDict) -> None:
                             critic_lr=1e-4, logit_chunk_size=256))
     c.trainer.update(dict(total_steps=100, save_freq=5))
     # keep the dense matmuls' outputs (0.62 MB per token: 0.6 GB for a 4 x 256 Bandit
-    # micro-batch, 1.9 GB at 4 x 768) instead of recomputing them (a faster update: README)
+    # micro-batch, 1.9 GB at 4 x 768) instead of recomputing them (a faster update: docs/results.md)
     c.model.remat_policy = "save_dense"
 
 
@@ -348,7 +348,7 @@ def gpu(c: ml_collections.ConfigDict) -> None:
     """The embedded SmolLM2-135M on one GPU of the H100 / H200 class: a supervised warm start on
     the solver's demonstrations (starpo/sft.py), then StarPO-S RL from its weights, one env's
     whole run meant to take a few minutes (issue 38; not yet timed on a GPU: the sizes below
-    come from the 0.5B-shape H200 figures in the README, scaled by the 3.7x smaller model).
+    come from the 0.5B-shape H200 figures in docs/results.md, scaled by the 3.7x smaller model).
 
     Why each value: the paper's batch (8 groups x 16 episodes of 5 turns) and StarPO-S (a critic,
     the filter keeping a quarter of the groups, decoupled clipping); thinking off and short
@@ -379,7 +379,7 @@ def tiny(c: ml_collections.ConfigDict) -> None:
     (every group carries signal; nothing to regularise towards); an entropy bonus keeps the
     four moves explored; validation batch = training batch, so one compiled rollout serves both;
     a RoPE base of 100, not 10000: a context of ~200 tokens needs position resolution over a few
-    tokens (a supervised probe learns FrozenLake's moves far sooner with it: README).
+    tokens (a supervised probe learns FrozenLake's moves far sooner with it: docs/results.md).
     """
     c.model.update(dict(
         path="tiny:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,mlp=128,vocab=128,seed=0,"

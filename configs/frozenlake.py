@@ -6,14 +6,14 @@
   thinking, after a supervised warm start on the solver's demonstrations (starpo/sft.py).
   Untrained, SmolLM2-135M almost never writes an action name after `<answer>` (it copies the
   grid: 0 of 32 episodes valid at temperature 1), so RL alone gets no reward signal; 10 SFT
-  steps of 8 demonstrations make every validation answer valid (README).
+  steps of 8 demonstrations make every validation answer valid (docs/results.md).
 - gpu: SmolLM2-135M on one GPU, SFT warm start then StarPO-S RL (configs/common.py `gpu`),
   validated on the paper's slippery lake and on RAGEN-2's default, the non-slippery 4x4 lake
   (FrozenLakeNonSlippery), where the solver succeeds on every level and a grid-blind policy
   rarely, so reading the map shows.
 - tiny: a random-init tiny model on a non-slippery 3x3 lake, thinking off, one episode per level
   with a batch baseline; learns the format, then to read the grid, in minutes on CPU (its
-  curves per seed: README; the learning test runs 120 steps).
+  curves per seed: docs/results.md; the learning test runs 120 steps).
 """
 
 from configs import common
@@ -31,12 +31,12 @@ def get_config(arg=None):
     if v == "cpu":
         common.cpu(c)
         # 20 steps of 8 solver episodes (160 demonstrations) at 3e-4 after a 3-step warm-up,
-        # then RL. On 256 held-out levels (README, "Supervised warm start"): valid answers
+        # then RL. On 256 held-out levels (docs/results.md, "Supervised warm start"): valid answers
         # 0.00 -> 1.00, success 0.129, where the solver's expected success is 0.176 (73%; its
         # one sampled run logs 0.207: 62%) and a grid-blind constant move's 0.113. lr 5e-5 for
         # 40 steps gave 0.117 and 3e-4 for 30 steps 0.125: in this budget SFT teaches the format
         # and only starts on the map (the held-out demonstrations' accuracy over 60 steps, and
-        # the wall time on 2 cores, idle and loaded: README).
+        # the wall time on 2 cores, idle and loaded: docs/results.md).
         c.sft.update(dict(steps=20, env_groups=8, lr=3e-4, warmup_steps=3, test_freq=10,
                           save_freq=10))
         # the slippery lake alone: a second validation set would double the 2-core warm
@@ -47,7 +47,7 @@ def get_config(arg=None):
     elif v == "tiny":
         common.tiny(c)
         # A 3x3 non-slippery lake (4x4 learns more slowly), where reading the grid pays far
-        # more than any grid-blind move sequence (the scores of both: README, "Why the
+        # more than any grid-blind move sequence (the scores of both: docs/results.md, "Why the
         # configs' settings", as every measured figure behind these choices). The model reads
         # the grid through RoPE with base 100 (configs/common.py); with Llama's 10000 RL found
         # a mostly grid-blind policy.

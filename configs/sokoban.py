@@ -24,7 +24,7 @@ def get_config(arg=None):
         # Untrained, SmolLM2-135M writes no valid answer here either (0 of 32 at temperature
         # 0.5): a supervised warm start on the solver's demonstrations (several moves a reply),
         # then RL. 15 steps of 8 at 3e-4 after a 3-step warm-up: valid answers 0.00 -> 1.00 and
-        # success 0.094 on 32 held-out levels, which the solver all solves (README, "Supervised
+        # success 0.094 on 32 held-out levels, which the solver all solves (docs/results.md, "Supervised
         # warm start", also its wall time on 2 cores, idle and loaded).
         c.sft.update(dict(steps=15, env_groups=8, lr=3e-4, warmup_steps=3, test_freq=15,
                           save_freq=15))

@@ -1,7 +1,7 @@
 """Synthetic probe: how fast does a tiny model learn FrozenLake's optimal move from one grid, and
 how much do earlier grids in the context slow it? (A ~1-4 minute bench on one core, cheaper and
 more controlled than supervised training on the real dialogues, which is `launch/sft.py
---config=configs/frozenlake.py:tiny` then `launch/eval.py`: README, "Supervised warm start".)
+--config=configs/frozenlake.py:tiny` then `launch/eval.py`: docs/training.md, "Supervised warm start".)
 
     python -m experiments.probe_grid                       # the current grid alone
     python -m experiments.probe_grid --history=2 --prefix=20   # two earlier grids before it

@@ -473,7 +473,7 @@ def converted_dir(name: str) -> str:
 # theta: the RoPE base. 10000 (Llama's) turns most of a 16-dim head's frequency pairs by under a
 # radian across a few hundred tokens, so a tiny model from scratch has little to tell nearby
 # positions apart with; a base of ~100 suits contexts this short (a FrozenLake supervised probe
-# learns far sooner with it: README, "Why the configs' settings").
+# learns far sooner with it: docs/results.md, "Why the configs' settings").
 TINY_DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=384,
                      seed=0, theta=10000)
 

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_update_benchmark_reports_params_device_dtype_and_memory():
-    """A cheap variant of the README's 0.5B-shape command (a `random:` model of 2 layers):
+    """A cheap variant of docs/benchmarks.md's 0.5B-shape command (a `random:` model of 2 layers):
     the JSON line has the model's exact parameter count, the device, the dtype, peak memory
     labelled by where it was measured, and MFU against a stated peak."""
     spec = ("random:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,mlp=96,vocab=1000,"

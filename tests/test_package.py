@@ -95,7 +95,7 @@ def test_a_packaged_config_parses_from_another_directory(tmp_path, monkeypatch):
 
 
 def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
-    """The README's default workdir is relative (runs/<config>); orbax refuses relative paths,
+    """The default workdir (docs/training.md) is relative (runs/<config>); orbax refuses relative paths,
     so the first checkpoint of such a run failed."""
     import numpy as np
 

@@ -1,5 +1,5 @@
 """launch/reproduce.py: the commands of a paper table, resuming, and the printed table.
-(A real tiny row end to end takes minutes on a loaded 2-core machine: README, not here.)"""
+(A real tiny row end to end takes minutes on a loaded 2-core machine: docs/training.md, not here.)"""
 
 import json
 import os

@@ -2,7 +2,7 @@
 
 `configs/frozenlake.py:tiny`: a random-init 82k-parameter model on a non-slippery 3x3 lake,
 thinking off, one episode on each of 128 levels per step with a batch-normalised reward. On
-this lake the best grid-blind move sequence scores 0.36 (README), so validation success of
+this lake the best grid-blind move sequence scores 0.36 (docs/results.md), so validation success of
 0.7 or more on 128 held-out levels (standard error ~0.04) means the model reads where the
 player, the goal and the holes are.
 """
@@ -25,7 +25,7 @@ def test_frozenlake_learns_to_reach_the_goal(tmp_path):
 
     Config seed 0. XLA's summation order depends on the processor's vector width and the
     thread count, and the run amplifies such differences, so the same seed draws a different
-    curve on another CPU (README: 0.82 at step 120 on one, 0.77 on another, 0.8 reached only
+    curve on another CPU (docs/results.md: 0.82 at step 120 on one, 0.77 on another, 0.8 reached only
     near step 150 there). The bar sits below every measured curve at step 120 by more than the
     evaluation's noise and far above what a grid-blind policy can score.
     """
