@@ -10,6 +10,10 @@ Three timings (median of --repeats calls after compiling ahead of time):
 - scripted: the rollout with teacher-forced replies of `new_tokens` tokens and no model, i.e.
   the env steps, rendering, parsing and bookkeeping alone.
 Overhead = scripted time / rollout time (the rollout's non-model work; target < 10%).
+With --lora_rank=R the rollout is also timed with fresh LoRA adapters of rank R on every linear
+projection (the same samples: fresh adapters change nothing), sampled the two ways
+`rollout.make_mixed_rollout` can: merged into the weights once per call (the default) and
+through the adapters at every token (`lora_merged_s`, `lora_adapter_s` beside `rollout_s`).
 The last line printed is one JSON object.
 
 Run from the repository root: `python -m` puts it on the import path.
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import envs
-from starpo import precision, rollout, sampler, scripted, weights
+from starpo import lora, precision, rollout, sampler, scripted, weights
 
 
 def timed(f, args_of, repeats):
@@ -58,6 +62,8 @@ def main():
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode_windows", type=int, default=4, help="as rollout.decode_windows")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="also time the rollout of a LoRA model, merged and through adapters")
     p.add_argument("--parts", default="rollout,sampler,scripted",
                    help="which timings to take (comma-separated), e.g. scripted alone")
     a = p.parse_args()
@@ -92,6 +98,21 @@ def main():
             "truncated": int(metrics["truncated"].sum())})
         print(f"rollout: compile {c_roll:.1f}s, then {t_roll:.2f}s, {generated} tokens",
               file=sys.stderr, flush=True)
+    if "rollout" in parts and a.lora_rank > 0:
+        lcfg, lparams = lora.attach(m.cfg, m.params, a.lora_rank, a.lora_rank, "all-linear",
+                                    jax.random.key(0))
+        for name, merge in (("merged", True), ("adapter", False)):
+            lr = rollout.make_mixed_rollout(((env, a.groups),), m.tokenizer, lcfg, spec,
+                                            group_size=a.group_size, merge_adapters=merge)
+            c, t, (ltraj, _) = timed(lr.run, lambda i: (lparams, jax.random.key(i),
+                                                         jnp.int32(i * a.groups), temp,
+                                                         jnp.int32(rollout.TRAIN)), a.repeats)
+            same = bool(jnp.array_equal(ltraj.tokens, jnp.asarray(traj.tokens)))
+            out.update({f"lora_{name}_s": t, f"lora_{name}_compile_s": c,
+                        f"lora_{name}_over_rollout": t / t_roll,
+                        f"lora_{name}_same_tokens": same})
+            print(f"rollout with LoRA rank {a.lora_rank}, {name}: {t:.2f}s (same tokens as "
+                  f"the base model: {same})", file=sys.stderr, flush=True)
 
     # ---- the sampler alone: prefix once, then `turns` turns of a fixed observation chunk
     tables = r.tables

@@ -4,6 +4,11 @@ PyTorch training step of the same checkpoint.
   python -m benchmarks.update --model=smollm2-135m-instruct --batch=8 --seq_len=512
   python -m benchmarks.update --logit_chunk=128 --compare_logit_chunk=0 --torch=no
 
+With `--lora_rank=R` a second JAX worker trains LoRA adapters of rank R (`starpo/lora.py`: the
+base frozen in the matmul dtype, float32 adapters and their AdamW moments) on the same batch, in
+its own process: `lora_*` beside the full fine-tuning figures, and the measured bytes per base
+weight of each (peak over parameters).
+
 With `--compare_logit_chunk` the JAX worker compiles a second step with that log-prob head chunk
 and times the two in turn, step by step in one process, so a busy machine slows both alike:
 `step_s_over_compare` is the cost of the chunking.
@@ -45,12 +50,17 @@ def worker_jax(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from starpo import lora
     from starpo import update as update_lib
     from starpo import weights
 
     m = weights.load_model(a.model, dtype=a.dtype, remat=a.remat, remat_policy=a.remat_policy,
                            attention=a.attention)
-    cfg, B, T = m.cfg, a.batch, a.seq_len
+    cfg, B, T, base_params = m.cfg, a.batch, a.seq_len, m.params
+    if a.lora_rank:  # adapters on the base, frozen in the matmul dtype
+        cfg, base_params = lora.attach(cfg, m.params, a.lora_rank, a.lora_alpha, a.lora_targets,
+                                       jax.random.key(0), base_dtype=a.dtype)
+    del m
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(random_tokens(B, T, cfg.vocab_size))
     mask = jnp.ones((B, T), bool).at[:, 0].set(False)
@@ -69,13 +79,12 @@ def worker_jax(a) -> dict:
         tx = update_lib.make_optimizer(algo.actor_lr, algo)
 
         def step(params, opt_state, mb):
-            g, _, metrics = grads_fn(params, None, mb)
-            updates, opt_state = tx.update(g, opt_state, params)
-            return (jax.tree_util.tree_map(jnp.add, params, updates), opt_state,
-                    metrics["actor/loss"])
+            g, _, metrics = grads_fn(params, None, mb)  # the trainable part's (LoRA: adapters)
+            params, opt_state = lora.apply_updates(tx, params, opt_state, g)
+            return params, opt_state, metrics["actor/loss"]
 
-        params = jax.tree_util.tree_map(jnp.copy, m.params)
-        opt_state = tx.init(params)
+        params = jax.tree_util.tree_map(jnp.copy, base_params)
+        opt_state = tx.init(lora.split(params)[0])
         t = time.perf_counter()
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state,
                                                               batch).compile()
@@ -100,7 +109,7 @@ def worker_jax(a) -> dict:
     return dict(step_s=min(times[0][1:]), compile_s=compile_s[0], **compared,
                 **jax_peak_memory(), cfg=dict(
         num_params=cfg.num_params, layers=cfg.num_layers, heads=cfg.num_heads,
-        head_dim=cfg.head_dim))
+        head_dim=cfg.head_dim, trained_params=lora.num_adapter_params(cfg) or cfg.num_params))
 
 
 def worker_torch(a, autocast: bool) -> dict:
@@ -195,10 +204,18 @@ def main():
                         "without native bfloat16)")
     p.add_argument("--attention", default="auto",
                    help="model.attention: auto | cpu | xla | cudnn (the kernels)")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="also time LoRA adapters of this rank (0: full fine-tuning only)")
+    p.add_argument("--lora_alpha", type=float, default=64.0)
+    p.add_argument("--lora_targets", default="all-linear",
+                   help="model.lora.target_modules of the LoRA run")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--torch_device", default="cpu", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.micro_batch = min(a.micro_batch, a.batch)
+    if a.lora_rank < 0 or a.lora_alpha <= 0:
+        raise SystemExit(f"error: --lora_rank must be >= 0 and --lora_alpha > 0, got "
+                         f"{a.lora_rank} and {a.lora_alpha}")
     unknown = [v for v in a.torch_variants.split(",") if f"torch_{v}" not in WORKERS]
     if unknown:
         raise SystemExit(f"error: unknown --torch_variants entry {unknown[0]!r} "
@@ -215,7 +232,7 @@ def main():
     setup = run_worker("setup", argv + [f"--dtype={a.dtype}"])
     argv += [f"--dtype={setup['dtype']}", f"--torch_device={setup['torch_device']}"]
     tokens = a.batch * a.seq_len
-    jx = run_worker("jax", argv)
+    jx = run_worker("jax", argv + ["--lora_rank=0"])
     c = jx.pop("cfg")
     # model FLOPs per trained token: 6 per weight (forward 2, backward 4) plus causal attention
     # scores and mixing (4 * layers * heads * head_dim * T/2 forward, x3 with the backward)
@@ -235,6 +252,18 @@ def main():
     if setup["peak_gflops"]:
         result["mfu"] = round(result["tokens_per_s"] * flops_per_token / 1e9
                               / setup["peak_gflops"], 3)
+    if a.lora_rank:  # the same step training adapters only, in its own process
+        lo = run_worker("jax", argv + [f"--lora_rank={a.lora_rank}",
+                                       f"--lora_alpha={a.lora_alpha}",
+                                       f"--lora_targets={a.lora_targets}"])
+        result.update(lora_rank=a.lora_rank, lora_targets=a.lora_targets,
+                      lora_trained_params=lo["cfg"]["trained_params"],
+                      lora_tokens_per_s=round(tokens / lo["step_s"], 1),
+                      lora_step_s=round(lo["step_s"], 2),
+                      lora_peak_memory_gb=lo["peak_memory_gb"],
+                      lora_over_full_tokens_per_s=round(jx["step_s"] / lo["step_s"], 3),
+                      lora_over_full_peak_memory=round(lo["peak_memory_gb"]
+                                                       / jx["peak_memory_gb"], 3))
     if a.torch == "auto":
         compare_torch(a, argv, setup, result)
     print(json.dumps(result))
