@@ -343,3 +343,20 @@ def test_bad_level_text_raises():
                  "Target: 4, nums: [3, 5, 200]", "Your answer get 1 points."):
         with pytest.raises(ValueError):
             env.from_text(text)
+
+
+def test_play_seed_with_the_solvers_answer(tiny_tokenizer):
+    """launch/play.py's path (`--env=Countdown --seed=0`): the level of seed 0, the solver's
+    answer as the reply, success and reward 1 in the dialogue the model would see."""
+    from launch import play
+
+    env = _env()
+    state = play.initial_state(env, None, 0)
+    level = env.to_text(state)
+    m = re.fullmatch(r"Target: (\d+), nums: \[(.*)\]", level)
+    answer = countdown.solve([int(v) for v in m.group(2).split(", ")], int(m.group(1)))
+    spec = rollout.RolloutSpec(max_turn=1, max_new_tokens=96, max_context=2048, length_prompt=100)
+    text, result = play.play_scripted(env, tiny_tokenizer, state,
+                                      [f"ok</think><answer>{answer}</answer>"], spec)
+    assert _reference_message(level) in text
+    assert result["turn_rewards"] == [1.0] and result["success"] and result["penalty"] == 0
