@@ -21,7 +21,10 @@ on a fresh `generate_random_map` per reset (as RAGEN's FrozenLake does; gymnasiu
 fixes start and goal in the corners, RAGEN's draws them) and `step` per action; gym_sokoban's
 room generator per reset (it searches to depth 300; RAGEN's LargerSokoban passes 10) and
 `SokobanEnv.step` with the text render RAGEN uses; timed as total throughput of the loop. Both
-are optional: a missing package is reported and skipped.
+are optional: a missing package is reported and skipped. Countdown's reference is the same
+rules in plain Python (a level per reset, the reference's `compute_reward` with `eval` per
+step); its JAX steps evaluate random 32-byte answers (the env is done after the first, and
+every later step still runs the evaluator, so the figure is the evaluator's throughput).
 
 Run from the repository root: `python -m` puts it on the import path.
 """
@@ -41,8 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import envs
+from envs import countdown
 
 ALL_BATCHES = (1, 64, 4096)
+ANSWER_WIDTH = 32  # bytes of a Countdown answer in the step timing
 
 
 def _timed(fn, min_seconds, min_calls=5):
@@ -63,7 +68,7 @@ def bench_jax(name, batch, scan, min_seconds):
     reset = jax.jit(jax.vmap(env.reset))
     step = jax.jit(jax.vmap(env.step))
 
-    def rollout(keys, state, actions):  # actions: int32[scan, batch]
+    def rollout(keys, state, actions):  # actions: int32[scan, batch] (text: [scan, batch, W])
         def one(state, xs):
             step_keys, action = xs
             state, reward, done, _ = jax.vmap(env.step)(step_keys, state, action)
@@ -75,7 +80,12 @@ def bench_jax(name, batch, scan, min_seconds):
     rollout = jax.jit(rollout)
     key_sets = [jax.random.split(jax.random.key(i), batch) for i in range(4)]
     rng = np.random.default_rng(0)
-    action_sets = [jnp.asarray(rng.integers(1, env.num_actions + 1, (scan, batch)), jnp.int32) for _ in range(4)]
+    if getattr(env, "text_actions", False):  # Countdown: answers as bytes [scan, batch, W]
+        pool = np.stack([countdown.answer_bytes(a, ANSWER_WIDTH) for a in _answers(rng, 256)])
+        action_sets = [jnp.asarray(pool[rng.integers(0, len(pool), (scan, batch))]) for _ in range(4)]
+    else:
+        action_sets = [jnp.asarray(rng.integers(1, env.num_actions + 1, (scan, batch)), jnp.int32)
+                       for _ in range(4)]
     first_actions = [a[0] for a in action_sets]
     state = reset(key_sets[0])
     counter = [0]
@@ -129,6 +139,55 @@ def bench_gymnasium_frozen_lake(min_seconds):
     return {
         "impl": "gymnasium FrozenLakeEnv (4x4, slippery); reset = generate_random_map + new env + reset",
         "resets_per_s": 1 / _timed_loop(fresh_env, min_seconds),
+        "steps_per_s": 1 / _timed_loop(one_step, min_seconds),
+    }
+
+
+def _answers(rng, n):
+    """n Countdown-style answers: 3-4 two-digit numbers joined by random operators."""
+    out = []
+    for _ in range(n):
+        nums = rng.integers(1, 100, int(rng.integers(3, 5)))
+        ops = rng.choice(list("+-*/"), len(nums) - 1)
+        out.append(" ".join([str(nums[0])] + [f"{o} {v}" for o, v in zip(ops, nums[1:])]))
+    return out
+
+
+def bench_python_countdown(min_seconds):
+    """The same rules in plain Python, one env at a time: a level per reset (count, numbers,
+    signs until the signed sum is >= 1, as envs/countdown.py draws them) and the reference's
+    `compute_reward` (regex format check, `eval`) per step, on answers that use the level's
+    numbers."""
+    import random
+
+    r = random.Random(0)
+
+    def new_level():
+        nums = [r.randint(1, 99) for _ in range(r.randint(3, 4))]
+        for _ in range(countdown.SIGN_TRIES):
+            t = sum(x if r.random() < 0.5 else -x for x in nums)
+            if t >= 1:
+                return nums, t
+        return nums, sum(nums)
+
+    # answers over the level's own numbers, so that every step passes the format check and
+    # reaches `eval` (the JAX evaluator does the same work whatever the answer)
+    level = new_level()
+    rng = np.random.default_rng(1)
+    answers = []
+    for _ in range(256):
+        nums = rng.permutation(level[0])
+        ops = rng.choice(list("+-*/"), len(nums) - 1)
+        answers.append(" ".join([str(nums[0])] + [f"{o} {v}" for o, v in zip(ops, nums[1:])]))
+    i = [0]
+
+    def one_step():
+        i[0] += 1
+        countdown.reference_reward(answers[i[0] % 256], *level)
+
+    return {
+        "impl": "plain Python: random level per reset, the reference's compute_reward per step",
+        "resets_per_s": 1 / _timed_loop(new_level, min_seconds),
         "steps_per_s": 1 / _timed_loop(one_step, min_seconds),
     }
 
@@ -257,6 +316,7 @@ def main():
         "FrozenLake": lambda: bench_gymnasium_frozen_lake(args.seconds * 2),
         "SimpleSokoban": lambda: bench_gym_sokoban((6, 6), 1, args.seconds * 2),
         "LargerSokoban": lambda: bench_gym_sokoban((8, 8), 2, args.seconds * 4),
+        "Countdown": lambda: bench_python_countdown(args.seconds * 2),
     }
     for name, run in references.items():
         if name not in names:

@@ -1,4 +1,4 @@
-"""Pure-JAX environments of the reference: Bandit, FrozenLake, Sokoban.
+"""Pure-JAX environments of the reference: Bandit, FrozenLake, Sokoban, Countdown.
 
 `make(name, **options)` returns an env object holding only static settings (a frozen,
 hashable dataclass: close over it or pass it as a jit static argument). Every env offers
@@ -9,14 +9,16 @@ hashable dataclass: close over it or pass it as a jit static argument). Every en
     env.is_done(state), env.name_to_action(state, index)     # jittable
     env.to_text(state) -> str, env.from_text(text) -> state  # host side, the reference's text
 
-with the reference's 1-based action ids (anything else is a no-op that counts as ineffective),
+with the reference's 1-based action ids (anything else is a no-op that counts as ineffective;
+Countdown's actions are text: `text_actions = True`, `step` takes the answer's bytes),
 and plain-Python metadata for the text layer: `name`, `action_names`, `instruction`, `legend`,
 `symbols` (render code -> text; grid envs also have `render_codes(state)`). Batch with
 `jax.vmap` outside the env.
 """
 
-from envs import bandit, frozenlake, sokoban, solvers
+from envs import bandit, countdown, frozenlake, sokoban, solvers
 from envs.bandit import Bandit, BanditState
+from envs.countdown import Countdown, CountdownState
 from envs.frozenlake import FrozenLake, FrozenLakeState, shortest_path_length
 from envs.sokoban import Sokoban, SokobanState, solve
 from envs.solvers import has_solver, next_moves, optimal_moves, solver_success
@@ -41,6 +43,8 @@ _REGISTRY = {
         Sokoban,
         dict(dim_x=6, dim_y=6, num_boxes=1, max_steps=100, symbols=sokoban.VOCAB_SYMBOLS),
     ),
+    # RAGEN-2's Countdown: 3 or 4 numbers (its dataset is Countdown-Tasks-3to4), one answer
+    "Countdown": (Countdown, dict(min_count=3, max_count=4, min_number=1, max_number=99)),
 }
 NAMES = tuple(_REGISTRY)
 
@@ -64,11 +68,14 @@ __all__ = [
     "NAMES",
     "Bandit",
     "BanditState",
+    "Countdown",
+    "CountdownState",
     "FrozenLake",
     "FrozenLakeState",
     "Sokoban",
     "SokobanState",
     "bandit",
+    "countdown",
     "frozenlake",
     "has_solver",
     "make",

@@ -19,6 +19,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from envs import bandit as bandit_lib
+from envs import countdown as countdown_lib
 
 ACTION_SEP = "||"  # the reference's action separator (shown to the model as " || ")
 
@@ -64,7 +65,8 @@ def prefix_text(env, max_actions_per_traj: int) -> str:
     text = env.instruction
     if env.legend:
         text += "\nThe meaning of each symbol in the state is:\n" + env.legend
-    if env.instruction:  # grid envs have an action lookup; the Bandit's prompt is its state
+    # grid envs have an action lookup; the Bandit's prompt is its state; Countdown has no lookup
+    if env.instruction and env.action_names:
         text += "\nYour available actions are:\n" + ", ".join(env.action_names)
         text += (f"\nYou can make up to {max_actions_per_traj} actions, separated by the action "
                  f"separator \" {ACTION_SEP} \"\n")
@@ -115,16 +117,54 @@ def _bandit_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
                    tuple(env.action_names), max_actions_per_turn, max_actions_per_traj)
 
 
+def _countdown_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
+    """`Target: T, nums: [a, b, c]` as digit pieces and labels; after the answer one piece,
+    `Your answer get R points.` for each reward the env pays."""
+    digits = tuple(str(d) for d in range(10))
+    TARGET, NUMS, SEP, CLOSE, RESULT = 10, 11, 12, 13, 14
+    rewards = (env.score, env.format_score, 0)
+    pieces = digits + ("Target: ", ", nums: [", ", ", "]") + tuple(
+        countdown_lib.RESULT_TEMPLATE.format(reward=countdown_lib.py_number(r)) for r in rewards)
+    n = env.max_count
+    td, nd = len(str(env.max_target)), len(str(env.max_number))
+    width = 1 + td + 1 + n * nd + (n - 1) + 1
+
+    def number(v, k):  # piece ids [k]: v's digits right-aligned, -1 before
+        pw = 10 ** jnp.arange(k - 1, -1, -1)
+        keep = (v >= pw) | (jnp.arange(k) == k - 1)
+        return jnp.where(keep, (v // pw) % 10, -1)
+
+    def render(state):
+        used = jnp.arange(n) < state.count
+        parts = [jnp.array([TARGET]), number(state.target, td), jnp.array([NUMS])]
+        for i in range(n):
+            if i:
+                parts.append(jnp.where(used[i], SEP, -1)[None])
+            parts.append(jnp.where(used[i], number(state.nums[i], nd), -1))
+        before = jnp.concatenate(parts + [jnp.array([CLOSE])])
+        which = jnp.where(state.reward == jnp.float32(env.score), 0,
+                          jnp.where(state.reward == jnp.float32(env.format_score), 1, 2))
+        after = jnp.full((width,), -1).at[0].set(RESULT + which)
+        return jnp.where(state.answered, after, before).astype(jnp.int32)
+
+    long_pieces = (TARGET, NUMS, CLOSE, RESULT, RESULT + 1, RESULT + 2)
+    return EnvText(pieces, width, render, prefix_text(env, max_actions_per_traj), (),
+                   max_actions_per_turn, max_actions_per_traj, ((long_pieces, 3),))
+
+
 def make_text(env, max_actions_per_turn: int | None = None,
               max_actions_per_traj: int | None = None) -> EnvText:
     """The EnvText of an env made by `envs.make`. Budgets default to the reference's:
-    5 actions per turn and 10 per episode for the grid games, 1 and 1 for the Bandit."""
-    is_bandit = isinstance(env, bandit_lib.Bandit)
-    per_turn = max_actions_per_turn or (1 if is_bandit else 5)
-    per_traj = max_actions_per_traj or (1 if is_bandit else 10)
+    5 actions per turn and 10 per episode for the grid games, 1 and 1 for the Bandit and
+    Countdown."""
+    single = isinstance(env, (bandit_lib.Bandit, countdown_lib.Countdown))
+    per_turn = max_actions_per_turn or (1 if single else 5)
+    per_traj = max_actions_per_traj or (1 if single else 10)
     if per_turn < 1 or per_traj < 1:
         raise ValueError(f"action budgets must be >= 1, got {per_turn} per turn, {per_traj} per episode")
-    build = _bandit_text if is_bandit else _grid_text
+    if isinstance(env, countdown_lib.Countdown):
+        return _countdown_text(env, per_turn, per_traj)
+    build = _bandit_text if isinstance(env, bandit_lib.Bandit) else _grid_text
     return build(env, per_turn, per_traj)
 
 

@@ -131,14 +131,15 @@ def _remove_specials(c):
     return jax.lax.fori_loop(0, len(SPECIAL_STRINGS), one, c)
 
 
-def parse_bytes(x, names: tuple, max_actions: int, thinking: bool = True):
-    """The reference's answer parser on byte strings x [B,L] int32 (PAD-padded).
+def parse_pieces(x, max_actions: int, thinking: bool = True):
+    """The reference's answer split on byte strings x [B,L] int32 (PAD-padded).
 
     First match of `<think>(.*?)</think>\\s*<answer>(.*?)</answer>` (DOTALL; without thinking
     `<answer>(.*?)</answer>`), special strings removed from the answer, split on `||`, pieces
     stripped, empties dropped, the first `max_actions` kept.
-    Returns (name index [B,max_actions] int32: index into `names` matched case-insensitively,
-    -1 for an invalid action or an empty slot; count [B] int32 of parsed actions).
+    Returns (answer c [B,L] int32: the answer's bytes after removing special strings, PAD
+    after; first, last [B,max_actions] int32: the r-th piece is c[first..last] inclusive;
+    has [B,max_actions] bool: slot r holds a piece; count [B] int32 of parsed actions).
     """
     B, L = x.shape
     pos = jnp.arange(L)[None]
@@ -188,6 +189,27 @@ def parse_bytes(x, names: tuple, max_actions: int, thinking: bool = True):
     q = jnp.argmax(slot, axis=1)  # [B,R]
     f = jnp.take_along_axis(first, q, axis=1)
     e = jnp.take_along_axis(last, q, axis=1)
+    return c, f, e, has, count
+
+
+def piece_bytes(c, first, last, has):
+    """The pieces of `parse_pieces` as left-aligned byte strings [B,R,L] int32 (PAD after)."""
+    L = c.shape[1]
+    pos = jnp.arange(L)
+    src = jnp.clip(first[:, :, None] + pos, 0, L - 1)  # [B,R,L]
+    out = jnp.take_along_axis(c[:, None, :], src, axis=2)
+    inside = has[:, :, None] & (pos <= (last - first)[:, :, None])
+    return jnp.where(inside, out, PAD)
+
+
+def parse_bytes(x, names: tuple, max_actions: int, thinking: bool = True):
+    """The reference's answer parser on byte strings x [B,L] int32 (PAD-padded): the pieces
+    of `parse_pieces` matched case-insensitively against the action `names`.
+    Returns (name index [B,max_actions] int32: index into `names`, -1 for an invalid action
+    or an empty slot; count [B] int32 of parsed actions).
+    """
+    c, f, e, has, count = parse_pieces(x, max_actions, thinking)
+    B, L = c.shape
     lower = jnp.where((c >= ord("A")) & (c <= ord("Z")), c + 32, c)
     encoded = [n.lower().encode("utf-8") for n in names]
     hits = _matches(lower, encoded)  # [B,L,A]

@@ -290,16 +290,30 @@ def _play_actions(env, etext, thinking: bool, env_state, x, happened, budget_lef
     budget_left [b], success [b] (so far), keys [R',b] with R' >= etext.max_actions_per_turn."""
     R = etext.max_actions_per_turn
     b = x.shape[0]
-    name_idx, n_parsed = parsing.parse_bytes(x, etext.action_names, R, thinking)
-    n_parsed = jnp.where(happened, n_parsed, 0)
-    is_valid = (name_idx >= 0) & happened[:, None]
-    n_valid = jnp.sum(is_valid, axis=1).astype(jnp.int32)
-    order = jnp.argsort(~is_valid, axis=1, stable=True)
-    valid_idx = jnp.take_along_axis(name_idx, order, axis=1)  # valid ones first
+    if getattr(env, "text_actions", False):
+        # Text actions (Countdown): every parsed piece is an action (the reference has no
+        # action lookup for such envs); the env steps on the piece's bytes [b,L].
+        c, first, last, has, n_parsed = parsing.parse_pieces(x, R, thinking)
+        pieces = parsing.piece_bytes(c, first, last, has)  # [b,R,L]
+        n_parsed = jnp.where(happened, n_parsed, 0)
+        n_valid = n_parsed
+
+        def action_at(state, s):
+            return pieces[:, s]
+    else:
+        name_idx, n_parsed = parsing.parse_bytes(x, etext.action_names, R, thinking)
+        n_parsed = jnp.where(happened, n_parsed, 0)
+        is_valid = (name_idx >= 0) & happened[:, None]
+        n_valid = jnp.sum(is_valid, axis=1).astype(jnp.int32)
+        order = jnp.argsort(~is_valid, axis=1, stable=True)
+        valid_idx = jnp.take_along_axis(name_idx, order, axis=1)  # valid ones first
+
+        def action_at(state, s):
+            return jax.vmap(env.name_to_action)(state, valid_idx[:, s])
 
     def act(s, a: _Steps) -> _Steps:
         run = happened & (s < n_valid) & (s < budget_left) & ~a.done
-        action = jax.vmap(env.name_to_action)(a.env_state, valid_idx[:, s])
+        action = action_at(a.env_state, s)
         new, r, d, info = jax.vmap(env.step)(keys[s], a.env_state, action)
         st = jax.tree_util.tree_map(
             lambda n, o: jnp.where(run.reshape(run.shape + (1,) * (n.ndim - 1)), n, o), new,

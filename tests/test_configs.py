@@ -19,13 +19,13 @@ import pytest
 from absl import flags
 
 import envs
-from configs import bandit, frozenlake, sokoban
+from configs import bandit, countdown, frozenlake, sokoban
 from launch import common
 from starpo import config_check, model, training, update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"configs/frozenlake.py": frozenlake, "configs/sokoban.py": sokoban,
-         "configs/bandit.py": bandit}
+         "configs/bandit.py": bandit, "configs/countdown.py": countdown}
 VARIANTS = (None, "cpu", "gpu", "tiny")
 # AlgoConfig fields the config keeps in `rollout`
 FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window")
@@ -121,6 +121,12 @@ BAD = {
     "env.options.dim_y": ["x", "2", "16"],
     "env.options.num_boxes": ["x", "0", "20"],
     "env.options.max_steps": ["x", "0"],
+    "env.options.min_count": ["x", "0", "-1"],
+    "env.options.max_count": ["x", "0", "6"],
+    "env.options.min_number": ["x", "0"],
+    "env.options.max_number": ["x", "0", "500"],
+    "env.options.score": ["x"],
+    "env.options.format_score": ["x"],
     "env.options.num_rooms": ["x", "0"],
     "env.options.num_walks": ["x", "0"],
     "env.options.walk_length": ["x", "0"],
