@@ -315,10 +315,10 @@ def lora(c: ml_collections.ConfigDict) -> None:
     and critic; the base weights are frozen and stored in the update's dtype."""
     c.model.lora.update(dict(rank=64, alpha=64.0, target_modules="all-linear"))
     if c.model.path.startswith("tiny"):
-        # a random tiny model's tied embedding (std 0.02) caps every logit near +-1.3 while
+        # a random tiny model's tied output head (std 0.02) caps every logit near +-1.3 while
         # it is frozen (the final norm fixes the hidden state's length): nothing sharp can be
-        # learned through the projections alone, so the table is adapted too
-        c.model.lora.target_modules = "all-linear,embed"
+        # learned through the projections alone, so the head is adapted too
+        c.model.lora.target_modules = "all-linear,lm_head"
 
 
 def cpu(c: ml_collections.ConfigDict) -> None:

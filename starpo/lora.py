@@ -26,8 +26,10 @@ the decode-dtype copy of the weights the sampler makes anyway. Export merges the
 Config keys (RAGEN's `lora.rank`, `lora.alpha`, `lora.target_modules`): `model.lora.rank`
 (0: off), `model.lora.alpha`, `model.lora.target_modules` ("all-linear" or a comma list of
 q, k, v, o, gate, up, down, or their Hugging Face names q_proj ... down_proj; "embed" /
-"embed_tokens" adapts the token embedding, which a tied output head shares: "all-linear" leaves
-it out, as PEFT's does).
+"embed_tokens" adapts the token lookup (the input side) and "lm_head" the output head, tied to
+the lookup's table or not, as PEFT's targets of those names do; "all-linear" leaves both out, as
+PEFT's does). Merging adapters of a tied model's table gives an untied one (the head and the
+lookup then differ).
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # what "all-linear" adapts
-TARGETS = LINEAR + ("embed",)
+TARGETS = LINEAR + ("embed", "lm_head")
 HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
             "up_proj": "up", "down_proj": "down", "embed_tokens": "embed"}
+TOP = ("embed", "lm_head")  # targets outside the layers: adapters at the tree's top
 SUFFIXES = ("_lora_a", "_lora_b")
 # where each target lives in a layer's params, and how many of its kernel's leading axes
 # (after the stacked layer axis) are inputs
 _WHERE = {"q": ("attn", 1), "k": ("attn", 1), "v": ("attn", 1), "o": ("attn", 2),
-          "gate": ("mlp", 1), "up": ("mlp", 1), "down": ("mlp", 1), "embed": ("", 1)}
+          "gate": ("mlp", 1), "up": ("mlp", 1), "down": ("mlp", 1), "embed": ("", 1),
+          "lm_head": ("", 1)}
 
 
 def parse_targets(spec) -> tuple[str, ...]:
@@ -160,7 +164,8 @@ def adapter_shapes(cfg) -> dict:
     r = cfg.lora_rank
     shapes = {"q": ((D,), (H, E)), "k": ((D,), (K, E)), "v": ((D,), (K, E)),
               "o": ((H, E), (D,)), "gate": ((D,), (F,)), "up": ((D,), (F,)),
-              "down": ((F,), (D,)), "embed": ((cfg.vocab_size,), (D,))}
+              "down": ((F,), (D,)), "embed": ((cfg.vocab_size,), (D,)),
+              "lm_head": ((D,), (cfg.vocab_size,))}
     return {t: (shapes[t][0] + (r,), (r,) + shapes[t][1]) for t in cfg.lora_targets}
 
 
@@ -168,7 +173,7 @@ def num_adapter_params(cfg) -> int:
     """The adapters' weights in all layers (0 without LoRA)."""
     if not cfg.lora_rank:
         return 0
-    return sum((1 if t == "embed" else cfg.num_layers) * (math.prod(a) + math.prod(b))
+    return sum((1 if t in TOP else cfg.num_layers) * (math.prod(a) + math.prod(b))
                for t, (a, b) in adapter_shapes(cfg).items())
 
 
@@ -186,14 +191,16 @@ def attach(cfg, params, rank: int, alpha: float, targets, key, base_dtype=None):
     L = cfg.num_layers
     top = {}
     for i, (t, (a_shape, b_shape)) in enumerate(adapter_shapes(cfg).items()):
-        if t == "embed":  # the table's A is drawn N(0, 1) (PEFT's random factor of an Embedding)
-            top = {"embed_lora_a": jax.random.normal(jax.random.fold_in(key, i), a_shape),
-                   "embed_lora_b": jnp.zeros(b_shape, jnp.float32)}
+        k = jax.random.fold_in(key, i)
+        if t in TOP:  # the lookup's A is N(0, 1) (PEFT's random factor of an Embedding)
+            top[f"{t}_lora_a"] = (jax.random.normal(k, a_shape) if t == "embed" else
+                                  jax.random.uniform(k, a_shape, jnp.float32, -1.0, 1.0)
+                                  / math.sqrt(a_shape[0]))
+            top[f"{t}_lora_b"] = jnp.zeros(b_shape, jnp.float32)
             continue
         where, n_in = _WHERE[t]
         bound = 1.0 / math.sqrt(math.prod(a_shape[:n_in]))
-        a = jax.random.uniform(jax.random.fold_in(key, i), (L,) + a_shape, jnp.float32,
-                               -bound, bound)
+        a = jax.random.uniform(k, (L,) + a_shape, jnp.float32, -bound, bound)
         layers[where][f"{t}_lora_a"] = {"kernel": a}
         layers[where][f"{t}_lora_b"] = {"kernel": jnp.zeros((L,) + b_shape, jnp.float32)}
     return cfg, {**params, **top, "layers": layers}
@@ -215,18 +222,28 @@ def delta(cfg, target: str, a, b):
 def merge(cfg, params, dtype=None):
     """(cfg without LoRA, params with each adapter folded into its kernel, W + (alpha/r) A B,
     computed in float32 and stored in `dtype` (None: the kernel's dtype); adapters removed).
-    Without LoRA: (cfg, params) unchanged; params None: (the plain cfg, None)."""
-    plain = cfg.replace(lora_rank=0, lora_targets=())
-    if not cfg.lora_rank or params is None:
-        return (plain if cfg.lora_rank else cfg), params
+    Adapters of a tied model's lookup or head give an untied model. Without LoRA: (cfg, params)
+    unchanged; params None: (the plain cfg, None)."""
+    if not cfg.lora_rank:
+        return cfg, params
+    top = [t for t in cfg.lora_targets if t in TOP]
+    untie = bool(top) and cfg.tie_embeddings  # one table can't take two deltas
+    plain = cfg.replace(lora_rank=0, lora_targets=(),
+                        tie_embeddings=cfg.tie_embeddings and not untie)
+    if params is None:
+        return plain, None
     layers = {k: dict(v) for k, v in params["layers"].items()}
     params = dict(params)
+    if untie:  # the head gets its own copy of the table
+        params["lm_head"] = {"kernel": params["embed"]["embedding"].T}
+    for t in top:
+        a, b = params.pop(f"{t}_lora_a"), params.pop(f"{t}_lora_b")
+        holder, name = ("embed", "embedding") if t == "embed" else ("lm_head", "kernel")
+        w = params[holder][name]
+        merged = w.astype(jnp.float32) + delta(cfg, t, a, b)
+        params[holder] = {**params[holder], name: merged.astype(dtype or w.dtype)}
     for t in cfg.lora_targets:
-        if t == "embed":
-            a, b = params.pop("embed_lora_a"), params.pop("embed_lora_b")
-            w = params["embed"]["embedding"]
-            merged = w.astype(jnp.float32) + delta(cfg, t, a, b)
-            params["embed"] = {"embedding": merged.astype(dtype or w.dtype)}
+        if t in TOP:
             continue
         where, _ = _WHERE[t]
         a = layers[where].pop(f"{t}_lora_a")["kernel"]

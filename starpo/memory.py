@@ -121,6 +121,11 @@ def update_parts(config, algo, cfg: ModelConfig, rows: float, micro: float, cont
                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
     T, M, w = context, micro, _bytes(update_dtype)
     dense = (H * E + 2 * K * E + 2 * D + 3 * F) * w  # per token: q k v o gate up down outputs
+    # LoRA, per token and adapted projection: x A (rank r) and its B output, both matmul
+    # outputs (kept by "save_dense"); XLA fuses the sum with the base output into the B matmul
+    outs = {"q": H * E, "k": K * E, "v": K * E, "o": D, "gate": F, "up": F, "down": D}
+    adapted = [t for t in cfg.lora_targets if t in outs] if cfg.lora_rank else []
+    dense += sum(cfg.lora_rank + outs[t] for t in adapted) * w
     layer = (4 * D * 4 + dense + 2 * F * w) * M * T  # one layer's live activations
     if attention == "cudnn":  # flash attention keeps one softmax statistic per query row
         attention = M * H * T * 4

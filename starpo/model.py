@@ -838,13 +838,22 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
             param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=_partitioned(nn.initializers.normal(0.02), ("vocab", "embed")))
-        if cfg.lora_rank and "embed" in cfg.lora_targets:  # LoRA on the (tied) table
+        V, D, r = cfg.vocab_size, cfg.hidden_size, cfg.lora_rank
+        if self._adapted("embed"):  # LoRA on the token lookup (the input side only)
             self.embed_lora_a = self.param(
                 "embed_lora_a", _partitioned(nn.initializers.normal(1.0), ("vocab", "lora")),
-                (cfg.vocab_size, cfg.lora_rank), jnp.float32)
+                (V, r), jnp.float32)
             self.embed_lora_b = self.param(
                 "embed_lora_b", _partitioned(nn.initializers.zeros, ("lora", "embed")),
-                (cfg.lora_rank, cfg.hidden_size), jnp.float32)
+                (r, D), jnp.float32)
+        if self._adapted("lm_head"):  # LoRA on the output head (tied or not)
+            self.lm_head_lora_a = self.param(
+                "lm_head_lora_a", _partitioned(
+                    nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"),
+                    ("embed", "lora")), (D, r), jnp.float32)
+            self.lm_head_lora_b = self.param(
+                "lm_head_lora_b", _partitioned(nn.initializers.zeros, ("lora", "vocab")),
+                (r, V), jnp.float32)
         self.layers = nn.scan(
             Block, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(0, nn.broadcast), length=cfg.num_layers,
@@ -867,14 +876,14 @@ class Transformer(nn.Module):
         rows split over the batch without the compiler replicating everything."""
         table = constrain(self.embed.embedding, (None, None))
         x = jnp.take(table, tokens, axis=0).astype(jnp.float32)
-        if self._embed_adapted():  # + (alpha / r) A[tokens] B
+        if self._adapted("embed"):  # + (alpha / r) A[tokens] B
             a = jnp.take(constrain(self.embed_lora_a, (None, None)), tokens, axis=0)
             x = x + self._lora_scale() * jnp.dot(a, self.embed_lora_b,
                                                  precision=jax.lax.Precision.HIGHEST)
         return constrain(x, ACTIVATION_AXES)
 
-    def _embed_adapted(self) -> bool:
-        return bool(self.cfg.lora_rank) and "embed" in self.cfg.lora_targets
+    def _adapted(self, target: str) -> bool:
+        return bool(self.cfg.lora_rank) and target in self.cfg.lora_targets
 
     def _lora_scale(self) -> float:
         return self.cfg.lora_alpha / self.cfg.lora_rank
@@ -892,14 +901,14 @@ class Transformer(nn.Module):
                 out = _matmul(rows, table, 1)
             else:
                 out = _dot_f32_xla(rows, table, (((1,), (1,)), ((), ())))
-            if self._embed_adapted():  # + (alpha / r) rows B^T A^T, never the [V,D] delta
-                low = jnp.dot(rows.astype(jnp.float32), self.embed_lora_b.T,
-                              precision=jax.lax.Precision.HIGHEST)
-                out = out + self._lora_scale() * jnp.dot(low, self.embed_lora_a.T,
-                                                         precision=jax.lax.Precision.HIGHEST)
             out = out.reshape(*hidden.shape[:-1], table.shape[0])
         else:
             out = self.lm_head(hidden)
+        if self._adapted("lm_head"):  # + (alpha / r) (h A) B, never the [D,V] delta
+            low = jnp.dot(hidden.astype(jnp.float32), self.lm_head_lora_a,
+                          precision=jax.lax.Precision.HIGHEST)
+            out = out + self._lora_scale() * jnp.dot(low, self.lm_head_lora_b,
+                                                     precision=jax.lax.Precision.HIGHEST)
         return out.astype(jnp.float32)
 
     def values(self, hidden):

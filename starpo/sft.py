@@ -309,7 +309,8 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
               else metrics_lib.NullWriter())
 
     def save(step):
-        ckpt.save(step, update_lib.split_state(state)[0], {"step": step, "seed": config.seed, "phase": "sft",
+        saved = update_lib.split_state(state)[0]  # a LoRA base is not saved: it is model.path's
+        ckpt.save(step, saved, {"step": step, "seed": config.seed, "phase": "sft",
                                 "config": json.loads(training.config_json(config))})
 
     with training._Stop() as stop:

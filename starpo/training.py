@@ -787,9 +787,10 @@ def _run(config, workdir, exp, ckpt, resuming, t_build, progress, stop_after, lo
         return scalars
 
     def save(step):  # a LoRA run's checkpoint holds what trains, not its frozen base
-        ckpt.save(step, update_lib.split_state(state)[0], {"step": step, "env_seed_counter": counter,
-                                "seed": config.seed, "config": json.loads(config_json(config)),
-                                "collapse_detector": detector.state_dict()})
+        ckpt.save(step, update_lib.split_state(state)[0], {
+            "step": step, "env_seed_counter": counter, "seed": config.seed,
+            "config": json.loads(config_json(config)),
+            "collapse_detector": detector.state_dict()})
 
     with _Stop() as stop:
         if start == 0 and v.before_train:
