@@ -25,6 +25,10 @@ are optional: a missing package is reported and skipped. Countdown's reference i
 rules in plain Python (a level per reset, the reference's `compute_reward` with `eval` per
 step); its JAX steps evaluate random 32-byte answers (the env is done after the first, and
 every later step still runs the evaluator, so the figure is the evaluator's throughput).
+2048's reference is the reference's own rules in plain Python (`bench_python_2048`: two spawns
+per reset; per step the reference's `_compress_and_merge` slide, a spawn and the end test over
+all four directions, the log reward); JAX steps take random directions, and a finished board
+still costs a full step.
 
 Run from the repository root: `python -m` puts it on the import path.
 """
@@ -44,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import envs
-from envs import countdown
+from envs import countdown, game2048
 
 ALL_BATCHES = (1, 64, 4096)
 ANSWER_WIDTH = 32  # bytes of a Countdown answer in the step timing
@@ -192,6 +196,44 @@ def bench_python_countdown(min_seconds):
     }
 
 
+def bench_python_2048(min_seconds):
+    """The same rules in plain Python/NumPy, one env at a time: the reference's
+    `_compress_and_merge` (envs/game2048.py `reference_move`), its spawn and its end test."""
+    rng = np.random.default_rng(0)
+
+    def spawn(grid):
+        empties = list(zip(*np.where(grid == 0)))
+        if empties:
+            r, c = empties[rng.integers(0, len(empties))]
+            grid[r, c] = 2 if rng.random() < 0.9 else 4
+
+    def new_level():
+        grid = np.zeros((4, 4), np.int64)
+        spawn(grid)
+        spawn(grid)
+        return grid
+
+    state = [new_level()]
+    actions = rng.integers(0, 4, 10000).tolist()
+    i = [0]
+
+    def one_step():
+        i[0] += 1
+        grid, gain, moved = game2048.reference_move(state[0], actions[i[0] % 10000])
+        if moved:
+            spawn(grid)
+            _ = 0.1 * np.log2(gain + 1.0) if gain > 0 else 0.0
+            over = not (grid == 0).any() and not any(
+                game2048.reference_move(grid, d)[2] for d in range(4))
+            state[0] = new_level() if over else grid
+
+    return {
+        "impl": "plain Python/NumPy: the reference's slide and merge loop, spawn and end test",
+        "resets_per_s": 1 / _timed_loop(new_level, min_seconds),
+        "steps_per_s": 1 / _timed_loop(one_step, min_seconds),
+    }
+
+
 def _timed_loop(fn, min_seconds):
     """Mean seconds per call of a Python callable. The mean here: the reference's calls vary by
     themselves (a Sokoban search takes 1 ms or 1 s), and throughput is what a user gets."""
@@ -317,6 +359,7 @@ def main():
         "SimpleSokoban": lambda: bench_gym_sokoban((6, 6), 1, args.seconds * 2),
         "LargerSokoban": lambda: bench_gym_sokoban((8, 8), 2, args.seconds * 4),
         "Countdown": lambda: bench_python_countdown(args.seconds * 2),
+        "Game2048": lambda: bench_python_2048(args.seconds * 2),
     }
     for name, run in references.items():
         if name not in names:

@@ -1,4 +1,4 @@
-"""Pure-JAX environments of the reference: Bandit, FrozenLake, Sokoban, Countdown.
+"""Pure-JAX environments of the reference: Bandit, FrozenLake, Sokoban, Countdown, 2048.
 
 `make(name, **options)` returns an env object holding only static settings (a frozen,
 hashable dataclass: close over it or pass it as a jit static argument). Every env offers
@@ -16,10 +16,11 @@ and plain-Python metadata for the text layer: `name`, `action_names`, `instructi
 `jax.vmap` outside the env.
 """
 
-from envs import bandit, countdown, frozenlake, sokoban, solvers
+from envs import bandit, countdown, frozenlake, game2048, sokoban, solvers
 from envs.bandit import Bandit, BanditState
 from envs.countdown import Countdown, CountdownState
 from envs.frozenlake import FrozenLake, FrozenLakeState, shortest_path_length
+from envs.game2048 import Game2048, Game2048State
 from envs.sokoban import Sokoban, SokobanState, solve
 from envs.solvers import has_solver, next_moves, optimal_moves, solver_success
 
@@ -45,6 +46,8 @@ _REGISTRY = {
     ),
     # RAGEN-2's Countdown: 3 or 4 numbers (its dataset is Countdown-Tasks-3to4), one answer
     "Countdown": (Countdown, dict(min_count=3, max_count=4, min_number=1, max_number=99)),
+    # RAGEN-2's 2048 (tag game_2048): a 4x4 board, the log reward
+    "Game2048": (Game2048, dict(size=4, two_prob=0.9, use_log_reward=True, invalid_act_score=-0.1)),
 }
 NAMES = tuple(_REGISTRY)
 
@@ -72,11 +75,14 @@ __all__ = [
     "CountdownState",
     "FrozenLake",
     "FrozenLakeState",
+    "Game2048",
+    "Game2048State",
     "Sokoban",
     "SokobanState",
     "bandit",
     "countdown",
     "frozenlake",
+    "game2048",
     "has_solver",
     "make",
     "next_moves",

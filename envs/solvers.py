@@ -31,6 +31,11 @@ resumed from the state it led to.
   box) on the interior cells (36 ** 3 states for LargerSokoban's 8x8 rooms); more boxes have
   no solver (the states grow as cells ** (boxes + 1)).
 - Bandit: the high-risk arm (mean 0.25 against 0.1, and the env's success), one move.
+- 2048: a greedy one-step lookahead (`game2048.greedy_move`: the largest merged sum, then the
+  most empty cells), one move per call (the spawn is random). Not optimal, and its
+  `solver_success` is not a success probability: it is 1 while the game can go on (the policy
+  always plays a move that changes the board), so demonstrations keep every unfinished level;
+  the greedy policy itself rarely reaches the 2048 tile.
 
 Remaining ties go to the first action in `action_names` order (FrozenLake Left, Down, Right,
 Up; Sokoban Up, Down, Left, Right): among the moves one step closer to the goal (slippery
@@ -43,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import bandit, frozenlake, sokoban
+from envs import bandit, frozenlake, game2048, sokoban
 
 # Relative slack under which a slippery-lake action counts as maximal (float32 rounding).
 _VALUE_SLACK = 1e-5
@@ -60,7 +65,7 @@ def has_solver(env) -> bool:
     if isinstance(env, sokoban.Sokoban):
         return env.num_boxes == 1 or (
             env.num_boxes == 2 and ((env.dim_x - 2) * (env.dim_y - 2)) ** 3 <= _MAX_SOKOBAN_STATES)
-    return isinstance(env, (frozenlake.FrozenLake, bandit.Bandit))
+    return isinstance(env, (frozenlake.FrozenLake, bandit.Bandit, game2048.Game2048))
 
 
 def require_solver(env):
@@ -87,6 +92,9 @@ def next_moves(env, state, max_moves: int):
         return names, (~env.is_done(state)).astype(jnp.int32)
     if isinstance(env, frozenlake.FrozenLake):
         return _lake_moves(env, state, max_moves)
+    if isinstance(env, game2048.Game2048):
+        names = jnp.zeros(max_moves, jnp.int32).at[0].set(game2048.greedy_move(state.grid))
+        return names, (~env.is_done(state)).astype(jnp.int32)
     return _sokoban_moves(env, state, max_moves)
 
 
@@ -95,13 +103,16 @@ def solver_success(env, state):
     `state`: 1/0 on deterministic envs (a done state: whether it succeeded); the maximal
     probability of reaching the goal on the slippery lake; for Bandit whether the high-risk arm
     is (or was) pulled, which the solver always does (its payout is still random: mean 0.25).
-    Sokoban counts only plans that fit in the steps left (max_steps - steps)."""
+    Sokoban counts only plans that fit in the steps left (max_steps - steps). 2048: 1 while the
+    game can go on (not a probability; see the module docstring)."""
     require_solver(env)
     if isinstance(env, bandit.Bandit):
         return (~env.is_done(state) | env._pulled_high(state)).astype(jnp.float32)
     if isinstance(env, frozenlake.FrozenLake):
         value, _, _ = _lake_plan(env, state.grid)
         return value[state.pos[0] * env.size + state.pos[1]]
+    if isinstance(env, game2048.Game2048):  # not a probability: the greedy policy can move
+        return (~env.is_done(state)).astype(jnp.float32)
     dist, start, _ = _sokoban_field(env, state)
     left = env.max_steps - state.steps
     return (dist[start] <= jnp.maximum(left, 0)).astype(jnp.float32)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from envs import bandit as bandit_lib
 from envs import countdown as countdown_lib
+from envs import game2048 as game2048_lib
 
 ACTION_SEP = "||"  # the reference's action separator (shown to the model as " || ")
 
@@ -152,18 +153,66 @@ def _countdown_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
                    max_actions_per_turn, max_actions_per_traj, ((long_pieces, 3),))
 
 
+def _game2048_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
+    """The reference's `render()`: a header, `Row i: [a, b, c, d]` lines, the valid actions
+    (`0(Up), 2(Down)` or `None`), the goal line, the score and the question, as pieces: each
+    row's frame, a piece per tile value, per valid action, and per score digit."""
+    n, E, D = env.size, env.max_exponent, env.score_digits
+    names = game2048_lib.ACTION_NAMES
+    pieces = (("Current 2048 Grid:\nRow 1: [",)
+              + tuple(f"]\nRow {i}: [" for i in range(2, n + 1))
+              + (", ", "]\n\nValid Actions: ", "None",
+                 ".\n" + game2048_lib.GOAL_LINE + "\nCurrent Score: ", "\nWhat is your next move?")
+              + tuple(str(game2048_lib.tile(e)) for e in range(E + 1))
+              + tuple(f"{a}({names[a]})" for a in range(4))
+              + tuple(str(d) for d in range(10)))
+    SEP, VALID, NONE, MID, END = n, n + 1, n + 2, n + 3, n + 4  # row frames are 0..n-1
+    TILE = n + 5
+    ACT = TILE + E + 1
+    DIGIT = ACT + 4
+    width = n + n * (2 * n - 1) + 1 + 7 + 1 + D + 1
+
+    def render(state):
+        parts = []
+        for i in range(n):
+            cells = TILE + state.grid[i].astype(jnp.int32)  # [n]
+            row = jnp.stack([cells, jnp.full((n,), SEP)], axis=1).reshape(-1)[:-1]
+            parts += [jnp.array([i]), row]
+        parts.append(jnp.array([VALID]))
+        valid = env.valid_actions(state)  # [4]
+        # the valid actions in order, ", " between them, padded after
+        count = jnp.sum(valid)
+        acts = ACT + jnp.argsort(~valid, stable=True)
+        slots = jnp.stack([acts, jnp.full((4,), SEP)], axis=1).reshape(-1)[:-1]  # [7]
+        slots = jnp.where(jnp.arange(7) < 2 * count - 1, slots, -1)
+        slots = jnp.where(count == 0, jnp.full((7,), -1).at[0].set(NONE), slots)
+        parts += [slots, jnp.array([MID])]
+        pw = 10 ** jnp.arange(D - 1, -1, -1)
+        keep = (state.score >= pw) | (jnp.arange(D) == D - 1)
+        parts += [jnp.where(keep, DIGIT + (state.score // pw) % 10, -1), jnp.array([END])]
+        return jnp.concatenate(parts).astype(jnp.int32)
+
+    frames = tuple(range(n)) + (VALID, NONE, MID, END)
+    return EnvText(pieces, width, render, prefix_text(env, max_actions_per_traj),
+                   tuple(env.action_names), max_actions_per_turn, max_actions_per_traj,
+                   ((frames, n + 3),))
+
+
 def make_text(env, max_actions_per_turn: int | None = None,
               max_actions_per_traj: int | None = None) -> EnvText:
     """The EnvText of an env made by `envs.make`. Budgets default to the reference's:
     5 actions per turn and 10 per episode for the grid games, 1 and 1 for the Bandit and
-    Countdown."""
+    Countdown, and an env's own `budgets` (per turn, per episode) where it states them."""
     single = isinstance(env, (bandit_lib.Bandit, countdown_lib.Countdown))
-    per_turn = max_actions_per_turn or (1 if single else 5)
-    per_traj = max_actions_per_traj or (1 if single else 10)
+    turn0, traj0 = getattr(env, "budgets", None) or ((1, 1) if single else (5, 10))
+    per_turn = max_actions_per_turn or turn0
+    per_traj = max_actions_per_traj or traj0
     if per_turn < 1 or per_traj < 1:
         raise ValueError(f"action budgets must be >= 1, got {per_turn} per turn, {per_traj} per episode")
     if isinstance(env, countdown_lib.Countdown):
         return _countdown_text(env, per_turn, per_traj)
+    if isinstance(env, game2048_lib.Game2048):
+        return _game2048_text(env, per_turn, per_traj)
     build = _bandit_text if isinstance(env, bandit_lib.Bandit) else _grid_text
     return build(env, per_turn, per_traj)
 

@@ -19,13 +19,14 @@ import pytest
 from absl import flags
 
 import envs
-from configs import bandit, countdown, frozenlake, sokoban
+from configs import bandit, countdown, frozenlake, game2048, sokoban
 from launch import common
 from starpo import config_check, model, training, update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"configs/frozenlake.py": frozenlake, "configs/sokoban.py": sokoban,
-         "configs/bandit.py": bandit, "configs/countdown.py": countdown}
+         "configs/bandit.py": bandit, "configs/countdown.py": countdown,
+         "configs/game2048.py": game2048}
 VARIANTS = (None, "cpu", "gpu", "tiny")
 # AlgoConfig fields the config keeps in `rollout`
 FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window")
@@ -133,6 +134,9 @@ BAD = {
     "env.options.symbols": ["x", "('#',)"],
     "env.options.low_arm": [" Phoenix", "Dragon", ""],
     "env.options.high_arm": ["phoenix", " "],
+    "env.options.two_prob": ["x", "-0.1", "1.5"],
+    "env.options.use_log_reward": ["maybe"],
+    "env.options.invalid_act_score": ["x"],
     "rollout.env_groups": ["x", "0"],
     "rollout.group_size": ["x", "0"],
     "rollout.max_turn": ["x", "0"],
