@@ -40,8 +40,10 @@ def get_config(arg=None):
                               context_window_mode="limited", max_context_window=5))
     elif v == "tiny":
         common.tiny(c)
-        c.rollout.update(dict(max_turn=3, env_groups=8, group_size=4, response_length=16,
-                              max_context=1024))
+        # the action budget as short as the episode: each "You have N actions left" line is
+        # one of the tiny tokenizer's whole tokens (700 would not fit its vocabulary)
+        c.rollout.update(dict(max_turn=3, max_actions_per_traj=3, env_groups=8, group_size=4,
+                              response_length=16, max_context=1024))
         c.val.update(dict(tags="Game2048", test_freq=5))
         c.trainer.update(dict(total_steps=20, save_freq=10))
     common.apply_presets(c, arg)

@@ -19,22 +19,10 @@ from configs import bandit
 from starpo import checkpoint, config_check, lora, memory, metrics, training, weights
 from starpo import model as model_lib
 from starpo import update as update_lib
+from tests.test_training import comparable, val_series, with_changes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = lambda *a: None  # noqa: E731
-
-
-def with_changes(config, **changes):
-    c = config.copy_and_resolve_references()
-    c.unlock()
-    for key, value in changes.items():
-        node = c
-        *path, last = key.split("__")
-        for p in path:
-            node = node[p]
-        node[last] = value
-    c.lock()
-    return c
 
 
 def leaves_by_path(tree) -> dict:
@@ -180,8 +168,7 @@ def test_a_lora_step_trains_the_adapters_and_shares_the_frozen_base(lora_run):
 
 
 def test_a_tiny_model_learns_the_bandit_through_adapters(lora_trained):
-    rows = metrics.read_jsonl(os.path.join(lora_trained, "metrics.jsonl"))
-    series = [(r["step"], r["val/Bandit/success"]) for r in rows if "val/Bandit/success" in r]
+    series = val_series(lora_trained, "val/Bandit/success")
     print("val/Bandit/success by step (LoRA):", series)
     assert series[0][0] == 0 and series[0][1] < 0.7, series  # untrained: no preference yet
     assert series[-1][1] >= 0.9, series
@@ -195,11 +182,8 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_run, tmp_
     training.train(config, straight, progress=False, experiment=exp, log=QUIET)
     training.train(config, resumed, progress=False, experiment=exp, log=QUIET, stop_after=2)
     training.train(config, resumed, progress=False, experiment=exp, log=QUIET)
-    def rows(workdir):  # the metrics without wall-clock figures
-        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))}
-                for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
-
-    a, b = rows(straight), rows(resumed)
+    a = comparable(metrics.read_jsonl(os.path.join(straight, "metrics.jsonl")))
+    b = comparable(metrics.read_jsonl(os.path.join(resumed, "metrics.jsonl")))
     assert [r["step"] for r in a] == [0, 1, 2, 3, 4] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys()
