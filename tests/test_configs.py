@@ -339,3 +339,16 @@ def test_a_limited_context_window_needs_its_size():
 def test_every_variant_passes_the_checks_a_run_makes():
     for path, variant, c in all_configs():
         config_check.check(c)  # raises ConfigError naming the key
+
+
+@pytest.mark.parametrize("path", sorted(FILES))
+def test_every_tiny_variant_builds_its_model_and_tokenizer(path):
+    """The tiny model's tokenizer is learned from the run's own dialogue, with its template
+    lines as whole tokens: they must fit the tiny vocabulary (a 700-action budget did not)."""
+    from starpo import training
+
+    config = FILES[path].get_config("tiny")
+    policy = training.load_policy(config)
+    assert policy.tokenizer.vocab_size <= policy.cfg.vocab_size
+    answer = "<answer>" if config.rollout.enable_think is False else "</think>"
+    assert policy.tokenizer.decode(policy.tokenizer.encode(answer)) == answer
