@@ -722,8 +722,11 @@ def log_start(exp: Experiment, build_s: float, log) -> None:
     c = exp.config
     batch_envs = (",".join(f"{t}:{g}" for t, g in exp.mix) if len(exp.mix) > 1
                   else exp.mix[0][0])
+    cfg = exp.policy.cfg
+    adapters = (f", LoRA rank {cfg.lora_rank}: {lora.num_adapter_params(cfg) / 1e6:.2f}M "
+                f"adapter weights train" if cfg.lora_rank else "")
     log(f"built in {build_s:.1f} s: {exp.policy.source} "
-        f"({exp.policy.cfg.num_params / 1e6:.1f}M params), env {batch_envs}, "
+        f"({cfg.num_params / 1e6:.1f}M params{adapters}), env {batch_envs}, "
         f"{c.rollout.env_groups}x{c.rollout.group_size} episodes per step, "
         f"{jax.devices()[0].platform} x{jax.device_count()} (mesh data x fsdp x tensor = "
         f"{' x '.join(str(n) for n in exp.mesh.shape.values())}); "
