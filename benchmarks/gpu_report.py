@@ -32,7 +32,7 @@ QWEN05 = ("random:layers=24,hidden=896,heads=14,kv_heads=2,head_dim=64,mlp=4864,
 TINY = "tiny:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,mlp=128,vocab=128"
 TEST_FILES = ("tests/test_model.py", "tests/test_sampler.py", "tests/test_update.py",
               "tests/test_rollout.py", "tests/test_context_window.py", "tests/test_memory.py",
-              "tests/test_sft.py")
+              "tests/test_sft.py", "tests/test_lora.py")
 # issue 34's targets on one H100 / H200 at the 0.5B shape
 TARGETS = {"iteration_s": ("<", 4.0), "update_mfu": (">=", 0.45),
            "update_vs_torch": (">", 1.0), "sampler_vs_transformers": (">=", 10.0),
@@ -58,6 +58,9 @@ def steps(a) -> dict:
                                     "--dtype=bfloat16", "--cache_dtype=bfloat16"]),
         "iteration": (a.step_s, py + ["-m", "benchmarks.train_step", f"--config={config}",
                                       *([] if a.quick else [f"--config.model.path={model}"])]),
+        # not in the default steps: LoRA rank 64 beside full fine-tuning (docs/lora.md)
+        "lora": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
+                                 "--lora_rank=64", "--torch=no"]),
     }
 
 
@@ -134,6 +137,8 @@ def headline(report: dict) -> dict:
         "peak_gb": max(peaks) if peaks else None,
         "rollout_fraction_of_bound": get("iteration", "rollout_fraction_of_bound"),
         "sampler_trainer": get("iteration", "sampler_trainer"),
+        "lora_over_full_tokens_per_s": get("lora", "lora_over_full_tokens_per_s"),
+        "lora_peak_gb": get("lora", "lora_peak_memory_gb"),
         "tests_passed": tests.get("passed"),
         "tests_failed": (tests.get("failed", 0) + tests.get("error", 0)) if tests else None,
     }
@@ -157,7 +162,7 @@ def main(argv=None):
     p.add_argument("--out", default="gpu-report", help="folder for report.json and the logs")
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
     p.add_argument("--steps", default="tests,update,sampler,iteration",
-                   help="comma-separated subset of: tests, update, sampler, iteration")
+                   help="comma-separated subset of: tests, update, sampler, iteration, lora")
     p.add_argument("--tests", default=",".join(TEST_FILES), help="comma-separated test files")
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers")
     p.add_argument("--tests_s", type=float, default=240, help="time limit of the tests, s")
