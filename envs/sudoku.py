@@ -456,8 +456,14 @@ class Sudoku:
         if len(cells) != SIZE or any(len(r) != SIZE for r in cells):
             raise ValueError("Sudoku text needs 9 grid lines of 9 cells `[N]` or `.`")
         puzzle = np.array([[int(d) if d else 0 for d, _ in r] for r in cells], np.int32)
+        for r, c in zip(*np.nonzero(puzzle)):
+            rest = puzzle.copy()
+            rest[r, c] = 0
+            if puzzle[r, c] not in _host_valid(rest, r, c):
+                raise ValueError(f"Sudoku clue {puzzle[r, c]} at ({r + 1},{c + 1}) repeats in "
+                                 f"its row, column or box")
         n, solution = count_solutions(puzzle, limit=1)
-        if n == 0 or np.any(puzzle[puzzle > 0] == 0):
+        if n == 0:
             raise ValueError("Sudoku grid has no solution")
         z = jnp.zeros((), jnp.int32)
         return SudokuState(puzzle=jnp.asarray(puzzle), solution=jnp.asarray(solution, jnp.int32),
