@@ -1,4 +1,4 @@
-"""Pure-JAX environments of the reference: Bandit, FrozenLake, Sokoban, Countdown, 2048.
+"""Pure-JAX environments of the reference: Bandit, FrozenLake, Sokoban, Countdown, 2048, Sudoku.
 
 `make(name, **options)` returns an env object holding only static settings (a frozen,
 hashable dataclass: close over it or pass it as a jit static argument). Every env offers
@@ -10,18 +10,19 @@ hashable dataclass: close over it or pass it as a jit static argument). Every en
     env.to_text(state) -> str, env.from_text(text) -> state  # host side, the reference's text
 
 with the reference's 1-based action ids (anything else is a no-op that counts as ineffective;
-Countdown's actions are text: `text_actions = True`, `step` takes the answer's bytes),
+Countdown's and Sudoku's actions are text: `text_actions = True`, `step` takes the answer's bytes),
 and plain-Python metadata for the text layer: `name`, `action_names`, `instruction`, `legend`,
 `symbols` (render code -> text; grid envs also have `render_codes(state)`). Batch with
 `jax.vmap` outside the env.
 """
 
-from envs import bandit, countdown, frozenlake, game2048, sokoban, solvers
+from envs import bandit, countdown, frozenlake, game2048, sokoban, solvers, sudoku
 from envs.bandit import Bandit, BanditState
 from envs.countdown import Countdown, CountdownState
 from envs.frozenlake import FrozenLake, FrozenLakeState, shortest_path_length
 from envs.game2048 import Game2048, Game2048State
 from envs.sokoban import Sokoban, SokobanState, solve
+from envs.sudoku import Sudoku, SudokuState
 from envs.solvers import has_solver, next_moves, optimal_moves, solver_success
 
 # name -> (class, defaults). Options given to `make` override the defaults; generator knobs of
@@ -48,6 +49,10 @@ _REGISTRY = {
     "Countdown": (Countdown, dict(min_count=3, max_count=4, min_number=1, max_number=99)),
     # RAGEN-2's 2048 (tag game_2048): a 4x4 board, the log reward
     "Game2048": (Game2048, dict(size=4, two_prob=0.9, use_log_reward=True, invalid_act_score=-0.1)),
+    # RAGEN-2's Sudoku (tags SimpleSudoku / MediumSudoku): 32 or 40 blanks (its easy / medium),
+    # 81 env steps, 20 or 30 actions an episode
+    "SimpleSudoku": (Sudoku, dict(blanks=sudoku.BLANKS["easy"], max_steps=81, max_actions=20)),
+    "MediumSudoku": (Sudoku, dict(blanks=sudoku.BLANKS["medium"], max_steps=81, max_actions=30)),
 }
 NAMES = tuple(_REGISTRY)
 
@@ -79,6 +84,8 @@ __all__ = [
     "Game2048State",
     "Sokoban",
     "SokobanState",
+    "Sudoku",
+    "SudokuState",
     "bandit",
     "countdown",
     "frozenlake",
@@ -92,4 +99,5 @@ __all__ = [
     "solve",
     "solver_success",
     "solvers",
+    "sudoku",
 ]

@@ -1,25 +1,45 @@
-"""RAGEN-2's Sudoku, first part: the level generator on device and a solver (host).
+"""RAGEN-2's Sudoku (`ragen/env/sudoku/`, tags SimpleSudoku / MediumSudoku) as a pure-JAX env.
 
-Not an env yet (no `reset`/`step`, not registered): docs/envs_sudoku_2048.md lists what the
-reference's env does and what is left.
+Levels: `generate(key, blanks)` (below). The reference (`generate_sudoku_puzzle`) fills a 9x9
+grid by backtracking with shuffled digits, then blanks int(81 * 0.4) = 32 (`easy`) or 40
+(`medium`) cells drawn at random, without checking that the solution is unique (its rewards
+allow for that: a valid placement that is not the generated solution's digit pays half).
+`generate` draws the solution from the key by the symmetries of a base grid (a digit
+relabelling, the three bands and the three stacks permuted, the rows inside each band and the
+columns inside each stack permuted, a transpose): every such grid is a valid Sudoku, but only
+the ~1.2e12 grids of one symmetry class are reached, not all 6.7e21. The blanks are then
+`blanks` cells drawn uniformly, as the reference; uniqueness is not enforced either
+(`count_solutions` measures it).
 
-The reference (`ragen/env/sudoku/utils.py`, `generate_sudoku_puzzle`) fills a 9x9 grid by
-backtracking with shuffled digits, then blanks int(81 * 0.4) = 32 (`easy`) or 40 (`medium`)
-cells drawn at random, without checking that the solution is unique (its rewards allow for
-that: a valid placement that is not the generated solution's digit pays half). `generate`
-draws the solution from the key by the symmetries of a base grid (a digit relabelling, the
-three bands and the three stacks permuted, the rows inside each band and the columns inside
-each stack permuted, a transpose): every such grid is a valid Sudoku, but only the ~1.2e12
-grids of one symmetry class are reached, not all 6.7e21. The blanks are then `blanks` cells
-drawn uniformly, as the reference; uniqueness is not enforced either (`count_solutions`
-measures it).
+Actions are text (`text_actions = True`, as Countdown): `step` takes the answer piece's bytes
+(int32[L], PAD after), lower-cases and strips it and matches the reference's six regexes on
+device (`parse_action`), the first that matches anywhere wins:
+`place N at row R col C`, `place N at (R,C)`, `place N at R,C`, `N at R,C`, `(R,C,N)`, `R,C,N`
+(`\\s+` / `\\s*` between the parts as the reference's patterns). The three numbers are
+(number, row, col) when the answer contains `place` or `at` anywhere, else (row, col, number).
+Rules and rewards are the reference's `SudokuEnv.step`: -0.1 for an unparsable answer, a row,
+column or number outside 1..9, an initial cell, or a number already in the cell's row, column
+or box; otherwise the number is placed (also over an earlier placement) and pays 1.0 if it is
+the generated solution's digit, else 0.5; +10 when the grid is then complete and valid. Every
+step counts; done when solved or when a valid placement reaches `max_steps` steps (81).
+
+The text is the reference's `with_feedback` render (`to_text` on host; pieces on device in
+envs/text.py): the banner, the grid (`[N]` initial, ` N ` placed, ` . ` empty), the legend,
+the last action's feedback, the valid numbers of each empty cell once at most 10 are left,
+`Progress:` and `Steps:`. Deviations: an unparsable answer is echoed as its first ECHO bytes,
+non-ASCII bytes as `?`; numbers of more than 9 digits saturate at 999999999; `\\d` and `\\s`
+are ASCII (Python's also match other Unicode digits and spaces).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 SIZE, BOX = 9, 3
 BLANKS = {"easy": int(SIZE * SIZE * 0.4), "medium": int(SIZE * SIZE * 0.5),
@@ -109,3 +129,362 @@ def count_solutions(puzzle, limit: int = 2) -> tuple[int, np.ndarray | None]:
 
     search(np.asarray(puzzle, np.int32))
     return len(found), (found[0] if found else None)
+
+
+# ======================================================================= the env
+# The reference's env_instruction (config/envs.yaml, SimpleSudoku / MediumSudoku: a YAML block,
+# so it ends with a newline).
+INSTRUCTION = (
+    "You are solving a Sudoku puzzle. Fill in the grid so that every row, column, and 3x3 box "
+    "contains the numbers 1-9 without repetition.\n"
+    "Initial cells are shown in [brackets] and cannot be modified. Empty cells are shown as "
+    "dots (.).\n"
+    "Place numbers one at a time using the format: <answer>place 5 at row 2 col 3</answer> or "
+    "<answer>2,3,5</answer>\n"
+    "The environment will provide feedback on valid/invalid moves and show conflicts if any "
+    "occur.\n"
+)
+PAD = -1
+ECHO = 64  # bytes of an unparsable answer the feedback echoes
+SAT = 999_999_999  # digit runs saturate here
+BANNER = "=" * 50
+LEGEND = "Legend: [N]=initial cell, N=user-placed, *N*=conflict, .=empty"
+EXPECTED = "Expected format: 'place 5 at row 2 col 3' or '2,3,5'"
+# feedback kinds
+FB_NONE, FB_FORMAT, FB_ROW, FB_COL, FB_NUM, FB_INITIAL, FB_CONFLICT, FB_CORRECT, FB_VALID = range(9)
+
+# the reference's patterns as tokens: a literal, "+" (\s+), "*" (\s*), "d" ((\d+), a group)
+_PATTERNS = (
+    ("place", "+", "d", "+", "at", "+", "row", "+", "d", "+", "col", "+", "d"),
+    ("place", "+", "d", "+", "at", "+", "(", "d", ",", "*", "d", ")"),
+    ("place", "+", "d", "+", "at", "+", "d", ",", "*", "d"),
+    ("d", "+", "at", "+", "d", ",", "*", "d"),
+    ("(", "d", ",", "*", "d", ",", "*", "d", ")"),
+    ("d", ",", "*", "d", ",", "*", "d"),
+)
+
+
+@struct.dataclass
+class SudokuState:
+    puzzle: jax.Array  # int32[9, 9]: the initial grid (0 blank)
+    solution: jax.Array  # int32[9, 9]: the generated solution
+    grid: jax.Array  # int32[9, 9]: the current grid
+    steps: jax.Array  # int32[]: steps taken (valid or not)
+    done: jax.Array  # bool[]
+    solved: jax.Array  # bool[]
+    fb: jax.Array  # int32[]: the last step's feedback kind (FB_*)
+    fb_num: jax.Array  # int32[]: its number (or the out-of-range value)
+    fb_row: jax.Array  # int32[]: its 1-based row
+    fb_col: jax.Array  # int32[]: its 1-based column
+    echo: jax.Array  # int32[ECHO]: an unparsable answer's bytes (lower-cased, stripped), PAD after
+
+
+def _isspace(x):
+    return (x == 32) | ((x >= 9) & (x <= 13)) | ((x >= 0x1C) & (x <= 0x1F))
+
+
+def _isdigit(x):
+    return (x >= 48) & (x <= 57)
+
+
+def parse_action(action):
+    """The reference's `parse_action` on bytes int32[L] (PAD after): lower-case and strip,
+    then the six patterns in order, each at its leftmost match.
+
+    Returns (x: the stripped lower-cased bytes int32[L], PAD after; matched bool[];
+    num, row, col int32[]: 1-based, as written (saturated at SAT), before the range checks)."""
+    x = jnp.asarray(action, jnp.int32)
+    L = x.shape[0]
+    pos = jnp.arange(L)
+    x = jnp.where((x >= 65) & (x <= 90), x + 32, x)
+    core = (x != PAD) & ~_isspace(x)
+    first = jnp.min(jnp.where(core, pos, L))
+    last = jnp.max(jnp.where(core, pos, -1))
+    x = jnp.where(pos <= last - first, x[jnp.clip(pos + first, 0, L - 1)], PAD)
+
+    def at(p):
+        return jnp.where(p < L, x[jnp.clip(p, 0, L - 1)], PAD)
+
+    digit = _isdigit(x)
+    ws_end = jax.lax.cummin(jnp.where(_isspace(x), L, pos), reverse=True)
+    dig_end = jax.lax.cummin(jnp.where(digit, L, pos), reverse=True)
+
+    def run(v, b):  # value of the digit run so far, saturating
+        d = b - 48
+        nv = jnp.where(_isdigit(b), jnp.where(v > SAT // 10 - 1, SAT, jnp.minimum(v * 10 + d, SAT)), 0)
+        return nv, nv
+    _, pre = jax.lax.scan(run, jnp.zeros((), jnp.int32), x)
+
+    def ends(p):
+        return jnp.where(p < L, ws_end[jnp.clip(p, 0, L - 1)], L)
+
+    found = jnp.zeros((), bool)
+    groups = jnp.zeros((3,), jnp.int32)
+    for pattern in _PATTERNS:
+        p = pos
+        ok = jnp.ones((L,), bool)
+        vals = []
+        for tok in pattern:
+            if tok == "+":
+                ok &= _isspace(at(p))
+                p = ends(p)
+            elif tok == "*":
+                p = ends(p)
+            elif tok == "d":
+                ok &= _isdigit(at(p))
+                e = jnp.where(p < L, dig_end[jnp.clip(p, 0, L - 1)], L)
+                vals.append(pre[jnp.clip(e - 1, 0, L - 1)])
+                p = e
+            else:
+                for i, ch in enumerate(tok.encode()):
+                    ok &= at(p + i) == ch
+                p = p + len(tok)
+        hit = jnp.argmax(ok)
+        g = jnp.stack([v[hit] for v in vals])
+        take = ~found & ok.any()
+        groups = jnp.where(take, g, groups)
+        found = found | ok.any()
+
+    def contains(word):
+        w = word.encode()
+        m = jnp.ones((L,), bool)
+        for i, ch in enumerate(w):
+            m &= at(pos + i) == ch
+        return m.any()
+    named = contains("place") | contains("at")
+    num = jnp.where(named, groups[0], groups[2])
+    row = jnp.where(named, groups[1], groups[0])
+    col = jnp.where(named, groups[2], groups[1])
+    return x, found, num, row, col
+
+
+def _box(grid, r, c):
+    """int32[9]: the box of 0-based cell (r, c)."""
+    return jax.lax.dynamic_slice(grid, (r // BOX * BOX, c // BOX * BOX), (BOX, BOX)).reshape(-1)
+
+
+def conflicts(grid, r, c, num):
+    """bool[3]: num is already in 0-based cell (r, c)'s row, column, box."""
+    return jnp.stack([jnp.any(grid[r] == num), jnp.any(grid[:, c] == num),
+                      jnp.any(_box(grid, r, c) == num)])
+
+
+def valid_numbers(grid, r, c):
+    """bool[9]: which of 1..9 fit the empty 0-based cell (r, c) (none if it is filled)."""
+    d = jnp.arange(1, SIZE + 1)
+    seen = jnp.concatenate([grid[r], grid[:, c], _box(grid, r, c)])
+    return ~jnp.any(seen[None] == d[:, None], axis=1) & (grid[r, c] == 0)
+
+
+def is_solved_grid(grid):
+    """bool[]: every cell filled and every row, column and box holds 1..9 once."""
+    d = jnp.arange(1, SIZE + 1)
+    boxes = grid.reshape(BOX, BOX, BOX, BOX).transpose(0, 2, 1, 3).reshape(SIZE, SIZE)
+    units = jnp.concatenate([grid, grid.T, boxes])  # [27, 9]
+    return jnp.all(jnp.any(units[:, :, None] == d[None, None], axis=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sudoku:
+    """Static settings (hashable: usable as a jit static argument).
+
+    blanks: cells blanked per level (the reference's 32 easy, 40 medium); max_steps: the
+    env's step budget (81); max_actions: the agent's actions an episode (the reference's
+    max_actions_per_traj: 20 SimpleSudoku, 30 MediumSudoku); the rewards are the reference's
+    correct_placement_score (a valid non-solution digit pays half), invalid_action_score and
+    completion_bonus."""
+
+    name: str = "SimpleSudoku"
+    blanks: int = BLANKS["easy"]
+    max_steps: int = 81
+    max_actions: int = 20
+    correct_placement_score: float = 1.0
+    invalid_action_score: float = -0.1
+    completion_bonus: float = 10.0
+
+    instruction = INSTRUCTION
+    legend = ""
+    symbols = ()
+    action_names = ()  # no action lookup: every parsed answer is an action
+    text_actions = True  # step takes the answer's bytes
+    num_actions = 0
+
+    def __post_init__(self):
+        check_blanks(self.blanks)
+        for f in ("max_steps", "max_actions"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 1 <= v <= 9999:
+                raise ValueError(f"Sudoku {f} must be an int in [1, 9999], got {v!r}")
+        for f in ("correct_placement_score", "invalid_action_score", "completion_bonus"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ValueError(f"Sudoku {f} must be a number, got {v!r}")
+
+    @property
+    def budgets(self):
+        """The reference's (actions a turn, actions an episode): base.yaml's 2, envs.yaml's."""
+        return (2, self.max_actions)
+
+    # ----------------------------------------------------------- dynamics
+    def reset(self, key):
+        puzzle, solution = generate(key, self.blanks)
+        z = jnp.zeros((), jnp.int32)
+        return SudokuState(puzzle=puzzle, solution=solution, grid=puzzle, steps=z,
+                           done=jnp.zeros((), bool), solved=jnp.zeros((), bool), fb=z,
+                           fb_num=z, fb_row=z, fb_col=z, echo=jnp.full((ECHO,), PAD, jnp.int32))
+
+    def step(self, key, state, action):
+        """Play the answer `action` (int32[L] bytes, PAD after). key: unused.
+
+        Returns (state, reward f32[], done bool[], info) with info bools `success` (solved),
+        `action_is_effective` and `action_is_valid` (a placement was made)."""
+        del key
+        x, found, num, row, col = parse_action(action)
+        L = x.shape[0]
+        echo = jnp.full((ECHO,), PAD, jnp.int32)
+        k = min(L, ECHO)
+        echo = echo.at[:k].set(x[:k])
+        in_row = (row >= 1) & (row <= SIZE)
+        in_col = (col >= 1) & (col <= SIZE)
+        in_num = (num >= 1) & (num <= SIZE)
+        r, c = jnp.clip(row - 1, 0, SIZE - 1), jnp.clip(col - 1, 0, SIZE - 1)
+        initial = state.puzzle[r, c] != 0
+        clash = jnp.any(conflicts(state.grid, r, c, num))
+        fb = jnp.where(~found, FB_FORMAT, jnp.where(~in_row, FB_ROW, jnp.where(
+            ~in_col, FB_COL, jnp.where(~in_num, FB_NUM, jnp.where(
+                initial, FB_INITIAL, jnp.where(clash, FB_CONFLICT, FB_VALID))))))
+        place = fb == FB_VALID
+        right = num == state.solution[r, c]
+        fb = jnp.where(place & right, FB_CORRECT, fb)
+        grid = jnp.where(place, state.grid.at[r, c].set(num), state.grid)
+        solved = place & is_solved_grid(grid)
+        steps = state.steps + 1
+        done = solved | (place & (steps >= self.max_steps))
+        reward = jnp.where(place, jnp.where(right, self.correct_placement_score,
+                                            self.correct_placement_score * 0.5),
+                           self.invalid_action_score) + jnp.where(solved, self.completion_bonus, 0.0)
+        live = ~state.done
+        new = state.replace(grid=grid, steps=steps, done=done, solved=solved, fb=fb,
+                            fb_num=num, fb_row=row, fb_col=col,
+                            echo=jnp.where(fb == FB_FORMAT, echo, state.echo))
+        new = jax.tree_util.tree_map(lambda a, b: jnp.where(live, a, b), new, state)
+        reward = jnp.where(live, reward, 0.0).astype(jnp.float32)
+        info = {"success": live & solved, "action_is_effective": live & place,
+                "action_is_valid": live & place}
+        return new, reward, new.done, info
+
+    def is_done(self, state):
+        return state.done
+
+    def name_to_action(self, state, index):
+        raise ValueError("Sudoku actions are text: step takes the answer's bytes")
+
+    # ----------------------------------------------------------- host text
+    def to_text(self, state):
+        """The reference's `render()` (render_format `with_feedback`), host side."""
+        grid, puzzle = np.asarray(state.grid), np.asarray(state.puzzle)
+        lines = []
+        for i in range(SIZE):
+            if i > 0 and i % BOX == 0:
+                lines.append("-" * (SIZE * 3 + BOX - 1))
+            s = ""
+            for j in range(SIZE):
+                if j > 0 and j % BOX == 0:
+                    s += "| "
+                v = int(grid[i, j])
+                s += " . " if v == 0 else (f"[{v}]" if puzzle[i, j] != 0 else f" {v} ")
+            lines.append(s.rstrip())
+        out = [BANNER, "SUDOKU PUZZLE", BANNER, "\n".join(lines), "", LEGEND]
+        fb = self.feedback(state)
+        if fb:
+            out += ["", fb]
+        empties = list(zip(*np.nonzero(grid == 0)))
+        if empties and len(empties) <= 10:
+            out += ["", "💡 VALID NUMBERS FOR EMPTY CELLS:"]
+            for r, c in empties:
+                valid = _host_valid(grid, r, c)
+                if valid:
+                    out.append(f"  - ({r + 1},{c + 1}): {valid}")
+        filled, initial = int(np.count_nonzero(grid)), int(np.count_nonzero(puzzle))
+        out += ["", f"Progress: {filled}/{SIZE * SIZE} cells filled ({initial} initial, "
+                    f"{filled - initial} placed)", f"Steps: {int(state.steps)}/{self.max_steps}"]
+        return "\n".join(out)
+
+    def feedback(self, state) -> str:
+        """The reference's `last_action_feedback` of the state (host)."""
+        fb, num = int(state.fb), int(state.fb_num)
+        row, col = int(state.fb_row), int(state.fb_col)
+        grid = np.asarray(state.grid)
+        if fb == FB_NONE:
+            return ""
+        if fb == FB_FORMAT:
+            echo = "".join(chr(b) if b < 128 else "?" for b in np.asarray(state.echo) if b != PAD)
+            return (f"❌ Invalid action format: Could not parse action: '{echo}'. {EXPECTED}")
+        if fb in (FB_ROW, FB_COL, FB_NUM):
+            what, v = {FB_ROW: ("Row", row), FB_COL: ("Column", col), FB_NUM: ("Number", num)}[fb]
+            return f"❌ Invalid action format: {what} {v} is out of range (1-{SIZE})"
+        if fb == FB_INITIAL:
+            return f"❌ Cannot modify initial cell at ({row},{col})"
+        if fb == FB_CONFLICT:
+            r, c = row - 1, col - 1
+            br, bc = r // BOX, c // BOX
+            parts = []
+            if num in grid[r]:
+                parts.append(f"row {row}")
+            if num in grid[:, c]:
+                parts.append(f"column {col}")
+            if num in grid[br * BOX:br * BOX + BOX, bc * BOX:bc * BOX + BOX]:
+                parts.append(f"box ({br + 1},{bc + 1})")
+            text = f"❌ Invalid placement: {num} conflicts with {', '.join(parts)}"
+            valid = _host_valid(grid, r, c)
+            if valid:
+                text += f"\n   Valid numbers for ({row},{col}): {valid}"
+            return text
+        text = (f"✓ Correct! Placed {num} at ({row},{col})" if fb == FB_CORRECT
+                else f"⚠ Placed {num} at ({row},{col}) - Valid but not optimal")
+        if bool(state.solved):
+            text += "\n🎉 Congratulations! Puzzle solved!"
+        return text
+
+    def from_text(self, text):
+        """A level (nothing placed) from the reference's grid lines: the nine rows of `[N]`
+        (initial) and ` . ` (empty) cells, `|` and dash lines ignored. The solution is the
+        host solver's first (ValueError if the grid has none)."""
+        rows = [ln for ln in text.splitlines()
+                if re.fullmatch(r"\s*(\[\d\]|\.|\|)(\s*(\[\d\]|\.|\|))*\s*", ln)]
+        cells = [re.findall(r"\[(\d)\]|(\.)", ln) for ln in rows]
+        if len(cells) != SIZE or any(len(r) != SIZE for r in cells):
+            raise ValueError("Sudoku text needs 9 grid lines of 9 cells `[N]` or `.`")
+        puzzle = np.array([[int(d) if d else 0 for d, _ in r] for r in cells], np.int32)
+        for r, c in zip(*np.nonzero(puzzle)):
+            rest = puzzle.copy()
+            rest[r, c] = 0
+            if puzzle[r, c] not in _host_valid(rest, r, c):
+                raise ValueError(f"Sudoku clue {puzzle[r, c]} at ({r + 1},{c + 1}) repeats in "
+                                 f"its row, column or box")
+        n, solution = count_solutions(puzzle, limit=1)
+        if n == 0:
+            raise ValueError("Sudoku grid has no solution")
+        z = jnp.zeros((), jnp.int32)
+        return SudokuState(puzzle=jnp.asarray(puzzle), solution=jnp.asarray(solution, jnp.int32),
+                           grid=jnp.asarray(puzzle), steps=z, done=jnp.zeros((), bool),
+                           solved=jnp.zeros((), bool), fb=z, fb_num=z, fb_row=z, fb_col=z,
+                           echo=jnp.full((ECHO,), PAD, jnp.int32))
+
+
+def _host_valid(grid, r, c) -> list:
+    """The reference's sorted(get_valid_numbers(grid, r, c)) as a list (host)."""
+    if grid[r, c] != 0:
+        return []
+    b = grid[r // BOX * BOX:r // BOX * BOX + BOX, c // BOX * BOX:c // BOX * BOX + BOX]
+    used = set(grid[r].tolist()) | set(grid[:, c].tolist()) | set(b.reshape(-1).tolist())
+    return sorted(set(range(1, SIZE + 1)) - used)
+
+
+def answer_bytes(text: str, width: int | None = None) -> np.ndarray:
+    """Host helper: a string as int32 bytes padded with PAD to `width` (default its length)."""
+    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    width = len(raw) if width is None else width
+    if len(raw) > width:
+        raise ValueError(f"answer of {len(raw)} bytes does not fit width {width}")
+    return np.pad(raw, (0, width - len(raw)), constant_values=PAD)

@@ -19,14 +19,14 @@ import pytest
 from absl import flags
 
 import envs
-from configs import bandit, countdown, frozenlake, game2048, sokoban
+from configs import bandit, countdown, frozenlake, game2048, sokoban, sudoku
 from launch import common
 from starpo import config_check, model, training, update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"configs/frozenlake.py": frozenlake, "configs/sokoban.py": sokoban,
          "configs/bandit.py": bandit, "configs/countdown.py": countdown,
-         "configs/game2048.py": game2048}
+         "configs/game2048.py": game2048, "configs/sudoku.py": sudoku}
 VARIANTS = (None, "cpu", "gpu", "tiny")
 # AlgoConfig fields the config keeps in `rollout`
 FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window")
@@ -137,6 +137,11 @@ BAD = {
     "env.options.two_prob": ["x", "-0.1", "1.5"],
     "env.options.use_log_reward": ["maybe"],
     "env.options.invalid_act_score": ["x"],
+    "env.options.blanks": ["x", "-1", "82"],
+    "env.options.max_actions": ["x", "0"],
+    "env.options.correct_placement_score": ["x"],
+    "env.options.invalid_action_score": ["x"],
+    "env.options.completion_bonus": ["x"],
     "rollout.env_groups": ["x", "0"],
     "rollout.group_size": ["x", "0"],
     "rollout.max_turn": ["x", "0"],

@@ -1,11 +1,27 @@
-"""Sudoku's first part (envs/sudoku.py): the on-device generator against the rules and the
-reference's blank counts, the host solver, bad options. The env itself is not built yet."""
+"""Sudoku (envs/sudoku.py) against RAGEN-2's own env (tests/env_fixtures/sudoku_golden.json):
+its text and rewards step by step, the six answer formats against its regexes (malformed
+answers included), the dialogue of a scripted rollout, launch/play.py; the on-device generator
+against the rules and the reference's blank counts, the host solver, bad options."""
+
+import functools
+import json
+import pathlib
+import random
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import envs
 from envs import sudoku
+from envs import text as env_text
+from starpo import rollout, scripted
+
+GOLDEN = json.loads((pathlib.Path(__file__).parent / "env_fixtures" / "sudoku_golden.json")
+                    .read_text(encoding="utf-8"))
+WIDTH = 96  # answer bytes in the env-level tests
 
 
 def _batch(n, blanks, seed=0):
@@ -64,3 +80,200 @@ def test_bad_blank_counts_are_one_line_errors(blanks):
     with pytest.raises(ValueError, match="blanks") as err:
         sudoku.generate(jax.random.key(0), blanks)
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ against the reference
+def _reference_parse(action):
+    """The reference's `SudokuEnv.parse_action` (ragen/env/sudoku/env.py), its matching part:
+    (matched, num, row, col) before the range checks."""
+    action = action.strip().lower()
+    patterns = [r'place\s+(\d+)\s+at\s+row\s+(\d+)\s+col\s+(\d+)',
+                r'place\s+(\d+)\s+at\s+\((\d+),\s*(\d+)\)', r'place\s+(\d+)\s+at\s+(\d+),\s*(\d+)',
+                r'(\d+)\s+at\s+(\d+),\s*(\d+)', r'\((\d+),\s*(\d+),\s*(\d+)\)',
+                r'(\d+),\s*(\d+),\s*(\d+)']
+    for pattern in patterns:
+        m = re.search(pattern, action)
+        if m:
+            if "place" in action or "at" in action:
+                num, row, col = map(int, m.groups())
+            else:
+                row, col, num = map(int, m.groups())
+            return True, num, row, col
+    return False, None, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _parse():
+    return jax.jit(jax.vmap(sudoku.parse_action))
+
+
+def _case_state(env, case):
+    puzzle = jnp.asarray(case["puzzle"], jnp.int32)
+    return env.reset(jax.random.key(0)).replace(
+        puzzle=puzzle, grid=puzzle, solution=jnp.asarray(case["solution"], jnp.int32))
+
+
+def _case_env(case):
+    return envs.make("SimpleSudoku" if case["difficulty"] == "easy" else "MediumSudoku",
+                     max_steps=case["max_steps"])
+
+
+def test_the_fixture_covers_every_feedback_and_format():
+    actions = [s["action"] for c in GOLDEN["cases"] for s in c["steps"]]
+    texts = "\n".join(s["text"] for c in GOLDEN["cases"] for s in c["steps"])
+    for needle in ("Could not parse action", "Row 0 is out of range", "Column 10 is out",
+                   "Number 0 is out", "Number 12 is out", "Cannot modify initial cell",
+                   "conflicts with row", ", column", ", box (", "Valid numbers for (",
+                   "✓ Correct!", "Valid but not optimal", "🎉 Congratulations!",
+                   "💡 VALID NUMBERS FOR EMPTY CELLS:"):
+        assert needle in texts, needle
+    for fmt in (r"place \d at row \d col \d", r"place \d at \(\d,\d\)", r"place \d at \d,\d",
+                r"^\d at \d, \d", r"^\(\d, \d, \d\)", r"^\d,\d,\d"):
+        assert any(re.search(fmt, a) for a in actions), fmt
+
+
+@pytest.mark.parametrize("index", range(len(GOLDEN["cases"])))
+def test_text_and_rewards_are_the_reference(index):
+    """Each recorded episode replayed: the text (on host and as device pieces), the reward,
+    done and the info flags after every step."""
+    case = GOLDEN["cases"][index]
+    env = _case_env(case)
+    etext = env_text.make_text(env)
+    render, step = jax.jit(etext.render), jax.jit(env.step)
+    state = _case_state(env, case)
+    assert env.to_text(state) == case["text"]
+    env_text.check_render(etext, env, state)
+    long_slots = set(etext.limits[0][0])
+    for rec in case["steps"]:
+        state, reward, done, info = step(jax.random.key(0), state,
+                                         sudoku.answer_bytes(rec["action"], WIDTH))
+        assert env.to_text(state) == rec["text"], rec["action"]
+        ids = np.asarray(render(state))
+        assert "".join(etext.pieces[i] for i in ids if i >= 0) == rec["text"], rec["action"]
+        assert sum(int(i) in long_slots for i in ids) <= etext.limits[0][1]
+        assert float(reward) == pytest.approx(rec["reward"], abs=1e-6), rec["action"]
+        assert bool(done) == rec["done"] and bool(env.is_done(state)) == rec["done"]
+        assert bool(info["success"]) == rec["success"]
+        assert bool(info["action_is_valid"]) == rec["action_is_valid"]
+        assert bool(info["action_is_effective"]) == rec["action_is_effective"]
+    # a finished episode absorbs further answers
+    if case["steps"][-1]["done"]:
+        after, reward, done, info = step(jax.random.key(0), state, sudoku.answer_bytes("1,1,1", WIDTH))
+        assert float(reward) == 0 and bool(done) and not bool(info["action_is_valid"])
+        assert env.to_text(after) == env.to_text(state)
+
+
+def test_answer_formats_match_the_reference_regexes():
+    cases = ["place 5 at row 2 col 3", "Place 5 AT (2,3)", "place 5 at 2,3", "5 at 2,3",
+             "(2,3,5)", "2,3,5", " 2, 3,  5 ", "place  5\tat\nrow 2 col 3", "PLACE 5 AT (2, 3)",
+             "(2,3 ,5)", "2 ,3,5", "cat 1,2,3", "12,3,4", "x12,3,4,5", "007,1,2", "1,2",
+             "place 5 at row 2 col", "place 5 at row 2, col 3", "place five at row 2 col 3",
+             "place 5 at (2,3", "hello", "", "(1,2,3) and 4,5,6", "rowcol 1,2,3",
+             "place 10 at row 0 col 12", "12345678901,2,3", "place 5 at row 2 col 3 || 1,1,1"]
+    rng = random.Random(0)
+    alphabet = list("0123456789 ,()\tx") + ["place", "at", "row", "col", " at ", "PLACE "]
+    cases += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14))) for _ in range(300)]
+    x = np.stack([sudoku.answer_bytes(c[:WIDTH], WIDTH) for c in cases])
+    _, found, num, row, col = _parse()(x)
+    for i, c in enumerate(cases):
+        want = _reference_parse(c)
+        got = (bool(found[i]),) + ((int(num[i]), int(row[i]), int(col[i])) if found[i] else
+                                   (None,) * 3)
+        if want[0]:  # digit runs saturate at 999999999 (a documented deviation)
+            want = (True,) + tuple(min(v, sudoku.SAT) for v in want[1:])
+        assert got == want, c
+
+
+def test_malformed_and_out_of_range_answers_pay_the_penalty_and_change_nothing():
+    case = GOLDEN["cases"][0]
+    env = _case_env(case)
+    state = _case_state(env, case)
+    step = jax.jit(env.step)
+    for answer in ("", "hello", "1,2", "place 5 at row 10 col 1", "0,1,1", "1,1,10",
+                   "99999999999,1,1", "place 5 at row 2, col 3"):
+        new, reward, done, info = step(jax.random.key(0), state, sudoku.answer_bytes(answer, WIDTH))
+        assert float(reward) == pytest.approx(-0.1) and not bool(done), answer
+        assert not bool(info["action_is_valid"]) and not bool(info["action_is_effective"])
+        assert np.array_equal(np.asarray(new.grid), np.asarray(state.grid))
+        assert int(new.steps) == 1
+    # the echo of an unparsable answer: lower-cased, stripped, its first ECHO bytes, non-ASCII
+    # bytes as `?` (deviations: the reference echoes it whole, as Unicode)
+    long = "  Hello " + "x" * 100 + "  "
+    new, *_ = step(jax.random.key(0), state, sudoku.answer_bytes(long, 128))
+    assert f"Could not parse action: 'hello {'x' * (sudoku.ECHO - 6)}'." in env.to_text(new)
+    new, *_ = step(jax.random.key(0), state, sudoku.answer_bytes("é?", WIDTH))
+    assert "Could not parse action: '???'." in env.to_text(new)
+    env_text.check_render(env_text.make_text(env), env, new)
+    # saturated out-of-range numbers
+    new, *_ = step(jax.random.key(0), state, sudoku.answer_bytes("12345678901,1,1", WIDTH))
+    assert "Row 999999999 is out of range (1-9)" in env.to_text(new)
+
+
+# ------------------------------------------------------------------ the dialogue
+def _reference_message(text, env):
+    return (env.instruction + "\nTurn 1:\nState:\n" + text
+            + f"\nYou have {env.max_actions} actions left. Always output: <think> [Your thoughts] "
+            "</think> <answer> [your answer] </answer> with no extra text. Strictly follow this "
+            "format. ")
+
+
+def test_dialogue_rewards_and_actions(tiny_tokenizer):
+    """The scripted rollout (launch/play.py's path): two actions a turn (the reference's
+    budget), each piece of the answer an action, the turn reward their sum, the format penalty
+    only where nothing parsed."""
+    tok = tiny_tokenizer
+    case = GOLDEN["cases"][0]
+    env = _case_env(case)
+    state = _case_state(env, case)
+    steps = case["steps"]
+    # the fixture's first two answers in one reply, as the model would write them
+    rows = [[f"ok</think><answer>{steps[0]['action']} || {steps[1]['action']}</answer>"],
+            ["no answer"]]
+    spec = rollout.RolloutSpec(max_turn=1, max_new_tokens=48, max_context=8192, length_prompt=100)
+    play, _ = rollout.make_scripted_rollout(env, tok, spec)
+    batch = jax.tree_util.tree_map(lambda x: np.stack([x, x]), state)
+    ids, lens, stops = scripted.script_replies(tok, rows, 1, 48)
+    traj, metrics, final = play(batch, ids, lens, stops, jax.random.key(0))
+    text = tok.decode(np.asarray(traj.tokens[0, :int(traj.length[0])]).tolist())
+    assert _reference_message(case["text"], env) in text
+    assert float(traj.turn_reward[0, 0]) == pytest.approx(
+        steps[0]["reward"] + steps[1]["reward"], abs=1e-5)
+    assert float(traj.penalty[0]) == 0 and int(traj.num_actions[0]) == 2
+    assert env.to_text(jax.tree_util.tree_map(lambda x: x[0], final)) == steps[1]["text"]
+    assert float(traj.turn_reward[1, 0]) == 0 and float(traj.penalty[1]) == pytest.approx(-0.1)
+    assert int(traj.num_actions[1]) == 0
+
+
+def test_play_seed_zero(tiny_tokenizer):
+    """launch/play.py's path (`--env=SimpleSudoku --seed=0`): the level of seed 0 and a correct
+    placement from its solution, paying 1."""
+    from launch import play
+
+    env = envs.make("SimpleSudoku")
+    state = play.initial_state(env, None, 0)
+    puzzle, solution = np.asarray(state.puzzle), np.asarray(state.solution)
+    r, c = [(int(a), int(b)) for a, b in zip(*np.nonzero(puzzle == 0))][0]
+    spec = rollout.RolloutSpec(max_turn=1, max_new_tokens=48, max_context=8192, length_prompt=100)
+    text, result = play.play_scripted(
+        env, tiny_tokenizer, state,
+        [f"ok</think><answer>place {solution[r, c]} at row {r + 1} col {c + 1}</answer>"], spec)
+    assert env.to_text(state) in text
+    assert result["turn_rewards"] == [1.0] and result["penalty"] == 0
+    # the level text read back
+    assert np.array_equal(np.asarray(env.from_text(env.to_text(state)).puzzle), puzzle)
+
+
+@pytest.mark.parametrize("options", [dict(blanks=82), dict(blanks="32"), dict(max_steps=0),
+                                     dict(max_actions=True), dict(completion_bonus="10"),
+                                     dict(difficulty="easy")])
+def test_bad_env_options_are_one_line_errors(options):
+    with pytest.raises(ValueError) as err:
+        envs.make("SimpleSudoku", **options)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_level_text_raises():
+    env = envs.make("SimpleSudoku")
+    for text in ("", "[1] . .", "\n".join(["[1][1] .  .  .  .  .  .  ."] * 9)):
+        with pytest.raises(ValueError):
+            env.from_text(text)
