@@ -219,22 +219,28 @@ def delta(cfg, target: str, a, b):
     return prod * (cfg.lora_alpha / cfg.lora_rank)
 
 
+def merged_config(cfg):
+    """The config of `merge`'s model: no LoRA, and untied where the adapters touch a tied
+    table's lookup or head (one table can't take two deltas). Without LoRA: `cfg`."""
+    if not cfg.lora_rank:
+        return cfg
+    untie = cfg.tie_embeddings and any(t in TOP for t in cfg.lora_targets)
+    return cfg.replace(lora_rank=0, lora_targets=(),
+                       tie_embeddings=cfg.tie_embeddings and not untie)
+
+
 def merge(cfg, params, dtype=None):
     """(cfg without LoRA, params with each adapter folded into its kernel, W + (alpha/r) A B,
     computed in float32 and stored in `dtype` (None: the kernel's dtype); adapters removed).
-    Adapters of a tied model's lookup or head give an untied model. Without LoRA: (cfg, params)
-    unchanged; params None: (the plain cfg, None)."""
+    Adapters of a tied model's lookup or head give an untied model (`merged_config`). Without
+    LoRA: (cfg, params) unchanged."""
     if not cfg.lora_rank:
         return cfg, params
+    plain = merged_config(cfg)
     top = [t for t in cfg.lora_targets if t in TOP]
-    untie = bool(top) and cfg.tie_embeddings  # one table can't take two deltas
-    plain = cfg.replace(lora_rank=0, lora_targets=(),
-                        tie_embeddings=cfg.tie_embeddings and not untie)
-    if params is None:
-        return plain, None
     layers = {k: dict(v) for k, v in params["layers"].items()}
     params = dict(params)
-    if untie:  # the head gets its own copy of the table
+    if cfg.tie_embeddings and not plain.tie_embeddings:  # the head gets its own table copy
         params["lm_head"] = {"kernel": params["embed"]["embedding"].T}
     for t in top:
         a, b = params.pop(f"{t}_lora_a"), params.pop(f"{t}_lora_b")

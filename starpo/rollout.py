@@ -664,7 +664,7 @@ def make_mixed_rollout(mix, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpe
     """
     adapted_cfg = model_cfg
     if merge_adapters:
-        model_cfg = lora.merge(model_cfg, None)[0]
+        model_cfg = lora.merged_config(model_cfg)
     if not mix or any(int(g) < 1 for _, g in mix):
         raise ValueError(f"a rollout needs at least one env and >= 1 group per env, got "
                          f"{[(getattr(e, 'name', e), g) for e, g in mix]}")
