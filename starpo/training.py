@@ -93,10 +93,13 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
 # ----------------------------------------------------------------------------- config
 def enable_compilation_cache(directory: str | None = None) -> None:
     """Keep compiled programs on disk (JAX's persistent cache): a restarted or resumed run skips
-    the minute of compiling a 135M model's rollout and update."""
-    directory = directory or os.path.join(weights.cache_dir(), "jax")
+    the minute of compiling a 135M model's rollout and update. JAX's own environment variables
+    (JAX_COMPILATION_CACHE_DIR, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS), where set, win."""
+    directory = (directory or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                 or os.path.join(weights.cache_dir(), "jax"))
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
 
 
 def context_window(config) -> int:

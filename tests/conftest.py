@@ -1,6 +1,9 @@
 """Shared fixtures: tiny configs with random Hugging Face-layout weights, and the real model."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -18,6 +21,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU always multiplies float32 exactly, so this changes nothing on CPU. bfloat16 programs
 # are unaffected (their operands are bfloat16 at every precision). Read when jax is imported.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# One persistent compilation cache for the run, in a fresh directory: the controller makes it
+# before pytest-xdist starts its workers, which inherit the variable (so do the subprocesses the
+# tests start, `starpo.training.enable_compilation_cache` included). A program compiled by one
+# worker (the tiny configs' rollouts and updates recur across files) is then read from disk by
+# the others instead of compiled again. Fresh per run, so the suite's time never depends on an
+# earlier run; a JAX_COMPILATION_CACHE_DIR of the user's own is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="starpo-test-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 # Config numbers in the vocabulary of tests/numpy_reference.py.
 LLAMA_LIKE = dict(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=48,
@@ -109,3 +122,44 @@ def pytest_collection_modifyitems(config, items):
         return SLOW_FILES_FIRST.index(name) if name in SLOW_FILES_FIRST else len(SLOW_FILES_FIRST)
 
     items.sort(key=rank)  # stable: the order inside a file is kept
+
+
+# ----------------------------------------------------------------------------- time profile
+# STARPO_TEST_PROFILE=FILE: each test's seconds of tracing, lowering and XLA compiling (JAX's
+# own monitoring events, in this process; a test's subprocesses are not counted) appended to
+# FILE as one JSON line per test and phase, for `python -m tests.profile_report FILE`.
+_PROFILE = os.environ.get("STARPO_TEST_PROFILE")
+_COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                   "/jax/core/compile/backend_compile_duration": "compile"}
+_spent: dict = {}
+
+if _PROFILE:
+    def _on_duration(event, seconds, **kwargs):
+        if event in _COMPILE_EVENTS:
+            _spent[_COMPILE_EVENTS[event]] = _spent.get(_COMPILE_EVENTS[event], 0.0) + seconds
+            if event.endswith("backend_compile_duration"):
+                _spent["programs"] = _spent.get("programs", 0) + 1
+
+    def _on_event(event, **kwargs):
+        if event.startswith("/jax/compilation_cache/cache_"):  # cache_hits, cache_misses
+            name = event.rsplit("/", 1)[1]
+            _spent[name] = _spent.get(name, 0) + 1
+
+    import jax.monitoring  # noqa: E402  (only when profiling; after the environment above)
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(_on_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import json
+        import time
+
+        _spent.clear()
+        start = time.perf_counter()
+        yield
+        row = dict(test=item.nodeid, seconds=round(time.perf_counter() - start, 3),
+                   **{k: round(v, 3) for k, v in _spent.items()})
+        with open(_PROFILE, "a") as f:
+            f.write(json.dumps(row) + "\n")
