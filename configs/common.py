@@ -15,7 +15,7 @@ fails at start.
 
 import ml_collections
 
-# The algorithm knobs: `starpo.update.AlgoConfig`'s fields under the same names with its
+# The algorithm knobs: `starpo.run_config.AlgoConfig`'s fields under the same names with its
 # defaults, which are the reference's (REFERENCE.md section 4; tests/test_configs.py checks that
 # the two agree). `group_size` and `temperature` are read from `rollout`.
 ALGORITHM = dict(
