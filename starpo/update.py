@@ -345,6 +345,32 @@ def _score(algo: AlgoConfig, traj: Trajectory):
     return traj.score + penalty, penalty
 
 
+def _advantages(algo: AlgoConfig, critic_cfg, state, traj: Trajectory, rewards, mask, micro,
+                rows):
+    """(advantages, returns, critic values or None) of the kept rows by `algo.adv_estimator`;
+    PPO's (with a critic) whitened over the batch."""
+    if algo.adv_estimator == "grpo":
+        advantages, returns = adv_lib.grpo(rewards.sum(axis=1), traj.group_id, mask,
+                                           algo.norm_adv_by_std_in_grpo)
+        return advantages, returns, None
+    if algo.adv_estimator == "gigpo":
+        advantages, returns = adv_lib.gigpo(
+            rewards.sum(axis=1), traj.turn_reward, traj.turn_end, traj.turn_index,
+            traj.state_hash, traj.group_id, mask, algo.gamma, algo.gigpo_step_advantage_w,
+            algo.gigpo_mode, algo.gigpo_episode_over_steps)
+        return advantages, returns, None
+    values = _micro_map(lambda t, v, *turns: token_values(
+        state.critic_params, critic_cfg, t, v, turn_window(algo, *turns)), micro, *rows)
+    values = jnp.where(mask, values, 0.0)
+    if algo.adv_estimator == "gae":
+        advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
+    else:
+        advantages, returns = adv_lib.bi_level_gae(
+            rewards, values, mask, traj.turn_end, algo.gamma, algo.lam, algo.high_level_gamma)
+    # PPO whitens token advantages over the batch (as the reference does)
+    return adv_lib.masked_whiten(advantages, mask), returns, values
+
+
 def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None):
     """prepare(state, traj, ref_params=None) -> (Batch, metrics): normalise, filter, recompute
     log-probs/values, rewards to tokens, advantages. Pure; jit it or call it inside a jit."""
@@ -385,27 +411,8 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
             kl = losses.kl_estimate(old_logp, ref_logp, algo.kl_penalty)
             rewards = rewards - algo.kl_coef * jnp.where(mask, kl, 0.0)
 
-        values = None
-        if algo.adv_estimator == "grpo":
-            advantages, returns = adv_lib.grpo(rewards.sum(axis=1), traj.group_id, mask,
-                                               algo.norm_adv_by_std_in_grpo)
-        elif algo.adv_estimator == "gigpo":
-            advantages, returns = adv_lib.gigpo(
-                rewards.sum(axis=1), traj.turn_reward, traj.turn_end, traj.turn_index,
-                traj.state_hash, traj.group_id, mask, algo.gamma, algo.gigpo_step_advantage_w,
-                algo.gigpo_mode, algo.gigpo_episode_over_steps)
-        else:
-            values = _micro_map(lambda t, v, *turns: token_values(
-                state.critic_params, critic_cfg, t, v, turn_window(algo, *turns)), micro, *rows)
-            values = jnp.where(mask, values, 0.0)
-            if algo.adv_estimator == "gae":
-                advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
-            else:
-                advantages, returns = adv_lib.bi_level_gae(
-                    rewards, values, mask, traj.turn_end, algo.gamma, algo.lam,
-                    algo.high_level_gamma)
-            # PPO whitens token advantages over the batch (as the reference does)
-            advantages = adv_lib.masked_whiten(advantages, mask)
+        advantages, returns, values = _advantages(algo, critic_cfg, state, traj, rewards, mask,
+                                                  micro, rows)
         if algo.filter_loss_scaling != "none":  # RAGEN-2: a smaller kept share, smaller steps
             ratio = metrics["rollout/filter_kept_ratio"]
             advantages = advantages * (ratio if algo.filter_loss_scaling == "linear"
@@ -592,6 +599,83 @@ def _apply(tx, params, opt_state, grads, apply):
     return lora.join(pick(new_params, train), frozen), pick(new_opt_state, opt_state)
 
 
+def _minibatch_plan(algo: AlgoConfig, batch: Batch, traj: Trajectory, key: jax.Array):
+    """(order [k, mini] of row indices, real bool[k]): the mini-batches of one update, those
+    past the kept rows (top_p, or a batch RAGEN-2 would grow by copies) marked not real."""
+    rows_in = batch.tokens.shape[0]
+    groups = traj.tokens.shape[0] // algo.group_size  # the rollout's, before the filter
+    mini = min(algo.ppo_mini_batch_size, rows_in)
+    if batch.keep is None and adjusted_size(rows_in, groups, mini) == rows_in:
+        order = minibatch_order(algo, rows_in, key)  # [k, mini]
+        return order, jnp.ones(order.shape[0], bool)
+    keep = jnp.ones(rows_in, bool) if batch.keep is None else batch.keep
+    return kept_minibatch_order(algo, keep, groups, key)
+
+
+def _one_update(algo: AlgoConfig, grads_fn, optimizers, batch: Batch, frozen, train_actor):
+    """One step of the update's `lax.scan` over mini-batches: (trainable state, (rows,
+    is_real)) -> (trainable state, metrics). `optimizers`: the actor's and the critic's
+    (AdamW, learning rate schedule)."""
+    (actor_tx, actor_lr), (critic_tx, critic_lr) = optimizers
+
+    def one_update(trainable: TrainState, xs):
+        state = join_state(trainable, frozen)
+        rows, is_real = xs
+        mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
+        # During critic warm-up the actor's gradient is still computed but not applied: a
+        # `lax.cond` around it would nearly double the compile time for a few early steps.
+        actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb)  # new dict
+        some = mb.loss_mask.any() & is_real  # a mini-batch past the kept rows has nothing
+        state = _actor_step(actor_tx, actor_lr, state, actor_g, m, train_actor & is_real,
+                            train_actor & some)
+        if algo.uses_critic:
+            state = _critic_step(critic_tx, critic_lr, state, critic_g, m, is_real, some)
+        return split_state(state)[0], m
+
+    return one_update
+
+
+def _actor_step(tx, lr, state: TrainState, grads, m: dict, due, apply_if_ok) -> TrainState:
+    """The actor's AdamW step of one mini-batch, taken where `apply_if_ok` and its loss and
+    gradients are finite (a non-finite one is counted where `due`); its metrics into `m`."""
+    norm = optax.global_norm(grads)
+    ok = jnp.isfinite(norm) & jnp.isfinite(m["actor/loss"])
+    m["actor/grad_norm"] = norm
+    m["actor/lr"] = lr(state.actor_steps)
+    m["actor/nonfinite_skipped"] = (due & ~ok).astype(jnp.float32)
+    m["actor/online_k"] = (apply_if_ok & ok).astype(jnp.float32)
+    apply = apply_if_ok & ok
+    params, opt_state = _apply(tx, state.actor_params, state.actor_opt_state, grads, apply)
+    return state.replace(actor_params=params, actor_opt_state=opt_state,
+                         actor_steps=state.actor_steps + apply)
+
+
+def _critic_step(tx, lr, state: TrainState, grads, m: dict, is_real, some) -> TrainState:
+    """The critic's AdamW step of one mini-batch (as `_actor_step`, with no warm-up)."""
+    norm = optax.global_norm(grads)
+    ok = jnp.isfinite(norm) & jnp.isfinite(m["critic/vf_loss"])
+    m["critic/grad_norm"] = norm
+    m["critic/lr"] = lr(state.critic_steps)
+    m["critic/nonfinite_skipped"] = (~ok & is_real).astype(jnp.float32)
+    params, opt_state = _apply(tx, state.critic_params, state.critic_opt_state, grads, ok & some)
+    return state.replace(critic_params=params, critic_opt_state=opt_state,
+                         critic_steps=state.critic_steps + (ok & some))
+
+
+def _over_updates(per_update: dict, real) -> dict:
+    """The k updates' metrics as one number each: counts summed, the rest means over the
+    mini-batches taken (the no-ops past the kept rows left out)."""
+    taken = real.sum()
+    out = {}
+    for name, values in per_update.items():
+        summed = name in ("actor/nonfinite_skipped", "actor/online_k",
+                          "critic/nonfinite_skipped")
+        out[name] = values.sum() if summed else (
+            jnp.where(real, values, 0.0).sum() / jnp.maximum(taken, 1))
+    out["trainer/updates_per_batch"] = taken.astype(jnp.float32)
+    return out
+
+
 def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None,
                 compiler_options: dict | None = None, state_shardings=None, mesh=None):
     """The jitted StarPO update: `update(state, traj, key, ref_params=None) -> (state, metrics)`.
@@ -622,67 +706,20 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
     """
     prepare = make_prepare(algo, actor_cfg, critic_cfg)
     grads_fn = make_grad_fn(algo, actor_cfg, critic_cfg)
-    actor_tx = make_optimizer(algo.actor_lr, algo)
-    critic_tx = make_optimizer(algo.critic_lr, algo)
-    actor_lr = algo_lr_schedule(algo.actor_lr, algo)
-    critic_lr = algo_lr_schedule(algo.critic_lr, algo)
+    # (AdamW, its learning rate schedule) of the actor and of the critic
+    optimizers = tuple((make_optimizer(lr, algo), algo_lr_schedule(lr, algo))
+                       for lr in (algo.actor_lr, algo.critic_lr))
 
     def update(state: TrainState, traj: Trajectory, key: jax.Array, ref_params=None):
         batch, metrics = prepare(state, traj, ref_params)
-        rows_in = batch.tokens.shape[0]
-        groups = traj.tokens.shape[0] // algo.group_size  # the rollout's, before the filter
-        mini = min(algo.ppo_mini_batch_size, rows_in)
-        if batch.keep is None and adjusted_size(rows_in, groups, mini) == rows_in:
-            order = minibatch_order(algo, rows_in, key)  # [k, mini]
-            real = jnp.ones(order.shape[0], bool)
-        else:  # dropped rows (top_p) or a batch RAGEN-2 would grow by copies
-            keep = jnp.ones(rows_in, bool) if batch.keep is None else batch.keep
-            order, real = kept_minibatch_order(algo, keep, groups, key)
+        order, real = _minibatch_plan(algo, batch, traj, key)
         train_actor = state.step >= algo.critic_warmup if algo.uses_critic else jnp.bool_(True)
 
         trainable, frozen = split_state(state)  # the loop carries the trainable part alone
-
-        def one_update(trainable: TrainState, xs):
-            state = join_state(trainable, frozen)
-            rows, is_real = xs
-            mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
-            # During critic warm-up the actor's gradient is still computed but not applied: a
-            # `lax.cond` around it would nearly double the compile time for a few early steps.
-            actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb)  # new dict
-            norm = optax.global_norm(actor_g)
-            ok = jnp.isfinite(norm) & jnp.isfinite(m["actor/loss"])
-            some = mb.loss_mask.any() & is_real  # a mini-batch past the kept rows has nothing
-            m["actor/grad_norm"] = norm
-            m["actor/lr"] = actor_lr(state.actor_steps)
-            m["actor/nonfinite_skipped"] = (train_actor & ~ok & is_real).astype(jnp.float32)
-            m["actor/online_k"] = (train_actor & ok & some).astype(jnp.float32)
-            apply_actor = train_actor & ok & some
-            actor_params, actor_opt = _apply(actor_tx, state.actor_params, state.actor_opt_state,
-                                             actor_g, apply_actor)
-            state = state.replace(actor_params=actor_params, actor_opt_state=actor_opt,
-                                  actor_steps=state.actor_steps + apply_actor)
-            if algo.uses_critic:
-                norm = optax.global_norm(critic_g)
-                ok = jnp.isfinite(norm) & jnp.isfinite(m["critic/vf_loss"])
-                m["critic/grad_norm"] = norm
-                m["critic/lr"] = critic_lr(state.critic_steps)
-                m["critic/nonfinite_skipped"] = (~ok & is_real).astype(jnp.float32)
-                critic_params, critic_opt = _apply(critic_tx, state.critic_params,
-                                                   state.critic_opt_state, critic_g, ok & some)
-                state = state.replace(critic_params=critic_params, critic_opt_state=critic_opt,
-                                      critic_steps=state.critic_steps + (ok & some))
-            return split_state(state)[0], m
-
+        one_update = _one_update(algo, grads_fn, optimizers, batch, frozen, train_actor)
         trainable, per_update = jax.lax.scan(one_update, trainable, (order, real))
         state = join_state(trainable, frozen)
-        taken = real.sum()
-        for name, values in per_update.items():
-            summed = name in ("actor/nonfinite_skipped", "actor/online_k",
-                              "critic/nonfinite_skipped")
-            # means over the mini-batches taken (the no-ops past the kept rows left out)
-            metrics[name] = values.sum() if summed else (
-                jnp.where(real, values, 0.0).sum() / jnp.maximum(taken, 1))
-        metrics["trainer/updates_per_batch"] = taken.astype(jnp.float32)
+        metrics.update(_over_updates(per_update, real))
         metrics = {name: jnp.asarray(v, jnp.float32) for name, v in metrics.items()}
         return state.replace(step=state.step + 1), metrics
 
