@@ -3,11 +3,12 @@ log lines and the memory plan, the SIGTERM stop, checkpoint resumes and the metr
 
     resuming = harness.check_workdir(workdir, config)   # reads only: fails before any work
     with harness.Stop() as stop:                       # SIGTERM / Ctrl-C: finish the step
-        ... harness.stoppers(stop) ...                 # every process stops at the same step
+        stoppers = harness.asked_to_stop(stop)         # every process stops at the same step
     harness.raise_if_stopped(stoppers, n, total)       # `Stopped`: the checkpoint is saved
 
-The RL phase (`training.py`), the SFT phase (`sft.py`) and evaluation (`launch/eval.py`) use
-these through the same names, so a run of any phase lives in its workdir the same way:
+The RL phase (`training.py`) and the SFT phase (`sft.py`) both run through these names, so a
+run of either phase lives in its workdir the same way (and `launch/eval.py`, `launch/chat.py`
+take either: `experiment.load_run`):
 
     <workdir>/config.json      the run's config (a resumed run must match it)
     <workdir>/checkpoints/     orbax checkpoints
@@ -83,6 +84,7 @@ def enable_compilation_cache(directory: str | None = None) -> None:
 
 # ----------------------------------------------------------------------------- the workdir
 def config_json(config) -> str:
+    """The config as config.json and every checkpoint hold it (keys sorted)."""
     return config.to_json_best_effort(sort_keys=True)
 
 
@@ -127,6 +129,7 @@ def check_workdir(workdir: str, config) -> bool:
 
 
 def write_config(workdir: str, config) -> None:
+    """<workdir>/config.json, written whole or not at all (a temporary file renamed)."""
     path = os.path.join(workdir, "config.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(config_json(config))
@@ -217,6 +220,7 @@ def raise_if_stopped(stoppers: list, n: int, total: int, what: str = "step") -> 
 
 
 # ----------------------------------------------------------------------------- the first lines
+# `exp` below is an `experiment.Experiment` (a floor above: this module only reads its fields)
 def memory_plan(exp, log=metrics_lib.say) -> list:
     """Print the estimated peak memory of each phase beside the device's capacity; raise
     `memory.MemoryPlanError` where one cannot fit (`trainer.memory_check`; else a warning)."""

@@ -62,7 +62,7 @@ def _bytes(dtype: str) -> int:
 
 def state_parts(algo, cfg: ModelConfig, model_shards: int, base_dtype: str = "float32") -> tuple:
     """(what, bytes) of the TrainState and the reference weights, per device (`algo`: the
-    run's `update.AlgoConfig`; `base_dtype`: a LoRA base's)."""
+    run's `run_config.AlgoConfig`; `base_dtype`: a LoRA base's)."""
     if cfg.lora_rank:  # one shared frozen base; per model, float32 adapters (+ 2 moments)
         a = lora.num_adapter_params(cfg) * 4 / model_shards
         parts = [("frozen base weights (shared)", cfg.num_params * _bytes(base_dtype)
