@@ -76,7 +76,7 @@ def test_the_score_gains_every_turns_penalty_before_normalisation():
 
 
 def test_a_buffer_longer_than_the_reply_budget_is_an_error():
-    with pytest.raises(UP.ConfigError, match="overlong_buffer_len"):
+    with pytest.raises(RC.ConfigError, match="overlong_buffer_len"):
         RC.AlgoConfig(response_length=8, overlong_buffer_len=9)
 
 
