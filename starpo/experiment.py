@@ -94,7 +94,7 @@ class Experiment:
     """Everything a run builds once from its config."""
 
     config: object
-    algo: update_lib.AlgoConfig
+    algo: run_config.AlgoConfig
     policy: weights.LoadedModel
     critic_cfg: object
     env: object  # the env called env.name

@@ -21,7 +21,6 @@ trainable part alone. Knob names follow the reference (REFERENCE.md section 4).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any

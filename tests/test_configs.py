@@ -21,7 +21,7 @@ from absl import flags
 import envs
 from configs import bandit, countdown, frozenlake, game2048, sokoban, sudoku
 from launch import common
-from starpo import config_check, experiment, model, run_config, update
+from starpo import config_check, experiment, model, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"configs/frozenlake.py": frozenlake, "configs/sokoban.py": sokoban,
