@@ -214,7 +214,19 @@ def state_target(exp: Experiment):
                                   exp.state_shardings)
 
 
+def with_actor(exp: Experiment, params) -> Experiment:
+    """`exp` starting from the actor weights `params` (an SFT phase's): the critic, where it is
+    a copy of the actor, copies these too."""
+    policy = dataclasses.replace(exp.policy, params=params, source=f"{exp.policy.source}+sft")
+    critic = exp.critic_params
+    if exp.algo.uses_critic and not exp.config.model.critic_path:
+        critic = sharding.put(critic_params_from(exp.config, policy)[1],
+                              exp.state_shardings.critic_params)
+    return dataclasses.replace(exp, policy=policy, critic_params=critic)
+
+
 def val_key(seed: int):
+    """The validations' sampling key: one per run, the same at every validation."""
     return jax.random.fold_in(jax.random.key(seed), 2**31 - 1)
 
 
@@ -233,17 +245,6 @@ def validate(exp: Experiment, params, writer=None, step: int = 0) -> dict[str, f
                             evaluate.dialogue(exp.policy.tokenizer, traj, row))
     out["timing/val"] = time.perf_counter() - t0
     return out
-
-
-def with_actor(exp: Experiment, params) -> Experiment:
-    """`exp` starting from the actor weights `params` (an SFT phase's): the critic, where it is
-    a copy of the actor, copies these too."""
-    policy = dataclasses.replace(exp.policy, params=params, source=f"{exp.policy.source}+sft")
-    critic = exp.critic_params
-    if exp.algo.uses_critic and not exp.config.model.critic_path:
-        critic = sharding.put(critic_params_from(exp.config, policy)[1],
-                              exp.state_shardings.critic_params)
-    return dataclasses.replace(exp, policy=policy, critic_params=critic)
 
 
 # ----------------------------------------------------------------------------- finished runs
