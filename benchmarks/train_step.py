@@ -3,7 +3,7 @@
   python -m benchmarks.train_step --config=configs/frozenlake.py:cpu
   python -m benchmarks.train_step --config=configs/sokoban.py --config.rollout.env_groups=8
 
-Builds the run of a config (`training.build`, any `--config.*` override) and times one
+Builds the run of a config (`experiment.build`, any `--config.*` override) and times one
 iteration's phases, each compiled ahead of time and then run once on the same data:
 
   rollout        levels + the jitted multi-turn episode loop (sampling, env, render, parse)
@@ -53,13 +53,13 @@ def main(argv):
     import numpy as np
 
     from benchmarks import sampler as sampler_bench
-    from starpo import evaluate, filtering, training
+    from starpo import evaluate, experiment, filtering, harness, run_config, training
     from starpo import update as UP
     from starpo.trajectory import trimmed_length
 
     config = CONFIG.value
     t = time.perf_counter()
-    exp = training.build(config)
+    exp = experiment.build(config)
     build_s = time.perf_counter() - t
     algo, cfg, r = exp.algo, exp.policy.cfg, config.rollout
     compile_s, phase_s = {}, {}
@@ -78,7 +78,7 @@ def main(argv):
         return out
 
     with jax.set_mesh(exp.mesh):
-        state = training.initial_train_state(exp)
+        state = experiment.initial_train_state(exp)
         k_roll, k_update = training.step_keys(config.seed, 0)
         env_state, group_id = exp.initial_states(jax.random.key(config.seed), jnp.int32(0))
         traj, m = timed("rollout", exp.run_rollout, state.actor_params, k_roll, env_state,
@@ -91,7 +91,7 @@ def main(argv):
         prefix = 0 if traj.prefix_length is None else np.asarray(traj.prefix_length)
         fill = float(np.mean((prefix + np.asarray(traj.length)) / 2))  # slots filled, on average
         bound = sampler_bench.decode_bound(cfg, int(traj.tokens.shape[0]), steps, fill,
-                                           cfg.dtype, training.rollout_spec(config).cache_dtype
+                                           cfg.dtype, run_config.rollout_spec(config).cache_dtype
                                            or cfg.dtype)
         # the update trains on the longest episode rounded up (trainer.context_bucket), as runs do
         update_context = trimmed_length(int(traj.length.max()), traj.tokens.shape[1],
@@ -119,7 +119,7 @@ def main(argv):
         timed("prepare", prepare, state, traj)
         _, update_metrics = timed("update", exp.update, state, traj, k_update)
         peaks["update"] = device_peak_gb()
-        plan = training.memory_plan(exp, log=lambda _: None)
+        plan = harness.memory_plan(exp, log=lambda _: None)
 
     forwards = phase_s["old_logprobs"] + phase_s.get("values", 0.0)
     phases = {"rollout": phase_s["rollout"], "old_logprobs": phase_s["old_logprobs"]}

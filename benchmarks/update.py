@@ -50,6 +50,7 @@ def worker_jax(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from starpo import run_config
     from starpo import lora
     from starpo import update as update_lib
     from starpo import weights
@@ -72,7 +73,7 @@ def worker_jax(a) -> dict:
 
     def build(chunk):
         """(compiled step, its own weights and optimizer state, compile seconds)."""
-        algo = update_lib.AlgoConfig(adv_estimator="grpo", ppo_mini_batch_size=B,
+        algo = run_config.AlgoConfig(adv_estimator="grpo", ppo_mini_batch_size=B,
                                      micro_batch_size=a.micro_batch,
                                      logit_chunk_size=chunk, actor_lr=1e-6)
         grads_fn = update_lib.make_grad_fn(algo, cfg)

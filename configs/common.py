@@ -15,7 +15,7 @@ fails at start.
 
 import ml_collections
 
-# The algorithm knobs: `starpo.update.AlgoConfig`'s fields under the same names with its
+# The algorithm knobs: `starpo.run_config.AlgoConfig`'s fields under the same names with its
 # defaults, which are the reference's (REFERENCE.md section 4; tests/test_configs.py checks that
 # the two agree). `group_size` and `temperature` are read from `rollout`.
 ALGORITHM = dict(
@@ -372,7 +372,7 @@ def gpu(c: ml_collections.ConfigDict) -> None:
 
 def tiny(c: ml_collections.ConfigDict) -> None:
     """A random-init tiny model (82k parameters) and a 128-token tokenizer learned from the
-    env's own dialogue (starpo/training.py: whole answers are single tokens), trained from
+    env's own dialogue (starpo/run_config.py: whole answers are single tokens), trained from
     scratch in about a second per step on a CPU. Why each value: one reply token per turn
     (an answer is one token); GRPO (no critic to train from scratch); learning rates of a
     small model trained from scratch, not of a pretrained LLM; no filter and no weight decay

@@ -31,7 +31,7 @@ import numpy as np
 import envs
 from envs import frozenlake, solvers
 from starpo import model as model_lib
-from starpo import rollout, scripted, training
+from starpo import experiment, rollout, run_config, scripted
 
 DELTAS = ((0, -1), (1, 0), (0, 1), (-1, 0))  # row/col offset of Left, Down, Right, Up (the env's)
 
@@ -50,10 +50,10 @@ def hole_blocks_diagonal(grid, pos) -> bool:
 def play_levels(config, tokenizer, levels: int, eps: float, seed: int):
     """The scripted episodes: (traj, {grid [L,n,n], and per turn pos [L,M,2], optimal [L,M,4],
     distance [L,M] (-1: no such turn), case [L,M], move [L,M]})."""
-    env = training.make_env(config, config.env.name)
+    env = run_config.make_env(config, config.env.name)
     if not isinstance(env, envs.FrozenLake) or env.is_slippery:
         raise ValueError(f"{config.env.name} with these options is not a non-slippery FrozenLake")
-    spec = training.rollout_spec(config)
+    spec = run_config.rollout_spec(config)
     if spec.thinking:
         raise ValueError("the run thinks before it answers (rollout.enable_think): its first "
                          "reply token is not the answer")
@@ -113,7 +113,7 @@ def score(config, policy, levels: int = 512, eps: float = 0.3, seed: int = 0) ->
     """Move accuracy of `policy` on scripted levels (module docstring); "moves" holds the
     arrays it is computed from (per turn right, live, the policy's choice; the dialogue's
     tokens and turn_end; play_levels' arrays)."""
-    env = training.make_env(config, config.env.name)
+    env = run_config.make_env(config, config.env.name)
     answers = answer_tokens(env, policy.tokenizer)
     traj, moves = play_levels(config, policy.tokenizer, levels, eps, seed)
     cfg = policy.cfg
@@ -156,7 +156,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     try:
-        config, policy, _ = training.load_run(a.run, a.step)
+        config, policy, _ = experiment.load_run(a.run, a.step)
         r = score(config, policy, a.levels, a.eps, a.seed)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from starpo import rollout, training
+from starpo import experiment, rollout, run_config
 from starpo import update as update_lib
 
 flags.DEFINE_string("run", None, "A training workdir (its latest checkpoint).", required=True)
@@ -55,10 +55,10 @@ def gap_sets(traj, window: int):
 
 def main(argv):
     del argv
-    config, policy, step = training.load_run(FLAGS.run)
+    config, policy, step = experiment.load_run(FLAGS.run)
     cfg, params = policy.cfg, policy.params
-    spec = dataclasses.replace(training.rollout_spec(config), context_window=FLAGS.window)
-    env = training.make_env(config, config.env.name)
+    spec = dataclasses.replace(run_config.rollout_spec(config), context_window=FLAGS.window)
+    env = run_config.make_env(config, config.env.name)
     ro = rollout.make_rollout(env, policy.tokenizer, cfg, spec, env_groups=FLAGS.levels,
                               group_size=1)
     traj, _ = jax.device_get(ro.run(params, jax.random.key(0), jnp.int32(0),

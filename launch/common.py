@@ -77,11 +77,11 @@ def parse_flags(argv, flag_values, config_flag=None, check_config=False):
             raise UsageError(f"config file {holder.config_filename} not found or unreadable "
                              f"({str(e).strip().splitlines()[-1].strip()})") from None
         if check_config:
-            from starpo import config_check
+            from starpo import config_check, run_config
 
             try:
                 config_check.check(config)
-            except config_check.ConfigError as e:
+            except run_config.ConfigError as e:
                 raise UsageError(str(e)) from None
     return rest
 
@@ -170,19 +170,19 @@ def run_job(config, workdir: str, job):
     with a one-line error naming this one (exit status 3) instead of waiting for it."""
     import jax
 
-    from starpo import sharding, training
+    from starpo import harness, sharding
 
     m = config.mesh
     sharding.initialize_distributed(m.distributed, coordinator_address=m.coordinator_address,
                                     num_processes=m.num_processes, process_id=m.process_id,
                                     init_timeout_s=m.init_timeout_s,
                                     heartbeat_timeout_s=m.heartbeat_timeout_s)
-    training.enable_compilation_cache()
+    harness.enable_compilation_cache()
     if jax.process_index() == 0:  # on several processes the first one alone prints
         print(f"workdir: {workdir}  (tensorboard --logdir {workdir})")
     try:
         job()
-    except training.Stopped as e:
+    except harness.Stopped as e:
         sharding.Liveness.finish()
         if jax.process_index() == 0:
             print(f"{e}", file=sys.stderr, flush=True)

@@ -46,7 +46,7 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     import jax
 
-    from starpo import config_check, evaluate, rollout, training
+    from starpo import config_check, evaluate, experiment, harness, rollout, run_config
 
     if FLAGS.out:  # an unwritable place fails now, not after the evaluation
         folder = os.path.dirname(os.path.abspath(FLAGS.out))
@@ -56,9 +56,9 @@ def main(argv):
             raise ValueError(f"--out {FLAGS.out}: {e.strerror}") from None
         if not os.access(folder, os.W_OK):
             raise ValueError(f"--out {FLAGS.out}: {folder} is not writable")
-    training.enable_compilation_cache()
+    harness.enable_compilation_cache()
     if FLAGS.checkpoint:
-        saved, policy, step = training.load_run(FLAGS.checkpoint, FLAGS.step)
+        saved, policy, step = experiment.load_run(FLAGS.checkpoint, FLAGS.step)
         config = CONFIG.value if FLAGS["config"].present else saved
     elif FLAGS["config"].present:
         config = CONFIG.value
@@ -81,12 +81,12 @@ def main(argv):
         where = "--" if FLAGS.batch_size is not None else "val."
         raise ValueError(f"{where}{e} (--groups / --group_size change the set, --batch_size "
                          f"the chunk)") from None
-    policy = policy or training.load_policy(config)
+    policy = policy or experiment.load_policy(config)
     results = {}
     for tag in tags:
-        es = evaluate.make_eval_set(tag, training.make_env(config, tag), policy.tokenizer,
+        es = evaluate.make_eval_set(tag, run_config.make_env(config, tag), policy.tokenizer,
                                     policy.cfg, env_groups=groups, group_size=size,
-                                    spec=training.rollout_spec(config), batch_size=batch_size)
+                                    spec=run_config.rollout_spec(config), batch_size=batch_size)
         traj, m = es.play(policy.params, jax.random.key(FLAGS.seed), temperature)
         results[tag] = evaluate.summarize(traj, m, size)
         print(f"{tag}: {groups} levels x {size} at temperature {temperature}: "

@@ -28,11 +28,11 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     import jax.numpy as jnp
 
-    from starpo import lora, training, weights
+    from starpo import experiment, lora, weights
 
     if os.path.exists(FLAGS.out):
         raise ValueError(f"{FLAGS.out} already exists")
-    _, policy, step = training.load_run(FLAGS.checkpoint, FLAGS.step)
+    _, policy, step = experiment.load_run(FLAGS.checkpoint, FLAGS.step)
     # a LoRA run's adapters are folded into the weights (W + alpha/r A B, in float32)
     cfg, params = lora.merge(policy.cfg, policy.params, jnp.float32)
     weights.save_hf_dir(FLAGS.out, cfg.replace(value_head=False), params, policy.tokenizer)

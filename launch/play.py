@@ -121,10 +121,10 @@ def main(argv):
     settings = dict(max_turn=FLAGS.max_turn, max_new_tokens=FLAGS.max_new_tokens,
                     max_context=FLAGS.max_context, thinking=FLAGS.thinking)
     if FLAGS["config"].present:
-        from starpo import training
+        from starpo import run_config
 
         config = CONFIG.value
-        env = training.make_env(config, config.env.name)
+        env = run_config.make_env(config, config.env.name)
         r = config.rollout
         from_config = dict(max_turn=r.max_turn, max_new_tokens=r.response_length,
                            max_context=r.max_context, thinking=r.enable_think)

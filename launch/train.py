@@ -8,7 +8,7 @@
 Prints one summary line per step, below a progress bar on a terminal (redirected to a file or
 a pipe, no bar: the lines alone, each flushed as it is printed, so `grep -c '^step' log` counts
 the steps); writes checkpoints, metrics.jsonl and TensorBoard logs into the workdir (see
-starpo/training.py). Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits
+starpo/harness.py). Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits
 with status 75; the same command resumes.
 
 On several hosts (a TPU pod slice, a SLURM or MPI job) run the same command on every host;

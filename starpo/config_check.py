@@ -15,65 +15,13 @@ from __future__ import annotations
 import math
 
 import envs
-from starpo import lora, model, sharding
+from starpo import demos, evaluate, filtering, lora, model, run_config, sharding, weights
+from starpo import update as update_lib
 from starpo.precision import phase_dtypes
-
-
-class ConfigError(ValueError):
-    """A config value the run cannot use; the message is one line naming the key."""
-
-
-# A rule: (predicate, what the value must be), for `check_rules`.
-def within(lo, hi=math.inf, lo_open=False, hi_open=False, note=""):
-    """Finite numbers between lo and hi (closed ends unless open)."""
-    def ok(v):
-        return (math.isfinite(v) and (lo < v if lo_open else lo <= v)
-                and (v < hi if hi_open else v <= hi))
-    need = (f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}" if hi < math.inf
-            else f"{'>' if lo_open else '>='} {lo}")
-    return ok, need + (f" ({note})" if note else "")
-
-
-def one_of(*choices):
-    return lambda v: v in choices, f"one of {', '.join(map(str, choices))}"
-
-
-def check_rules(rules: dict, get, key=lambda name: name) -> None:
-    """Raise ConfigError "<key> must be <need>, got <value>" for the first value `get(name)` that
-    fails its rule (a value of the wrong type fails too)."""
-    for name, (ok, need) in rules.items():
-        value = get(name)
-        try:
-            good = bool(ok(value))
-        except TypeError:
-            good = False
-        if not good:
-            raise ConfigError(f"{key(name)} must be {need}, got {value!r}")
-
-
-# rollout.context_window_mode: the whole dialogue, the last max_context_window turns (RAGEN-2
-# calls it limited_multi_turn: both names are accepted), the current
-CONTEXT_WINDOW_MODES = ("full", "limited", "limited_multi_turn", "single_turn")
-
-
-def context_window(mode: str, max_context_window: int) -> int:
-    """The turns a reply sees besides the prompt prefix, its own included (0 = all): the
-    `RolloutSpec.context_window` / `AlgoConfig.context_window` of rollout.context_window_mode
-    and rollout.max_context_window (-1 under a limited window: every turn, as RAGEN-2 reads
-    it). Raises ConfigError for a mode or window it cannot use."""
-    if mode not in CONTEXT_WINDOW_MODES:
-        raise ConfigError(f"rollout.context_window_mode must be one of "
-                          f"{', '.join(CONTEXT_WINDOW_MODES)}, got {mode!r}")
-    if mode.startswith("limited") and max_context_window < 1 and max_context_window != -1:
-        raise ConfigError(f"rollout.max_context_window must be >= 1, or -1 for every turn, "
-                          f"under context_window_mode={mode}, got {max_context_window}")
-    if mode.startswith("limited"):
-        return max(max_context_window, 0)
-    return {"full": 0, "single_turn": 1}[mode]
-
+from starpo.run_config import CONTEXT_WINDOW_MODES, ConfigError, check_rules, one_of, within
 
 _MESH_AXIS = (lambda v: v == -1 or v >= 1, ">= 1 or -1 (all the devices the others leave)")
-# key -> rule. The algorithm's knobs are checked by `update.AlgoConfig` (the same way).
+# key -> rule. The algorithm's knobs are checked by `run_config.AlgoConfig` (the same way).
 RULES = {
     "seed": within(0, 2**31 - 1),
     "model.dtype": one_of("auto", "float32", "bfloat16"),
@@ -146,15 +94,27 @@ def _guard(key, fn, *args):
 
 def check(config) -> None:
     """Raise ConfigError (one line, naming the key) for the first value the run cannot use."""
-    from starpo import evaluate, training, weights  # they import this module
-
     check_rules(RULES, lambda key: _get(config, key))
     _guard("mesh", sharding.check_cluster, config.mesh.coordinator_address,
            config.mesh.num_processes, config.mesh.process_id, config.mesh.init_timeout_s,
            config.mesh.get("heartbeat_timeout_s", 60))
+    _check_model(config)
+    _guard("env.options", lambda: envs.make(config.env.name, **config.env.options.to_dict()))
+    _guard("env.mix", run_config.env_mix, config)
+    _guard("val.tags", evaluate.parse_tags, config.val.tags, config.env.name)
+    _check_chunks(config)
+    run_config.context_window(config)
+    algo = _guard("algorithm", run_config.algo_config, config)
+    _check_batches(config, algo)
+    if config.sft.steps > 0:
+        _guard("sft", check_sft, config, envs.make(config.env.name,
+                                                    **config.env.options.to_dict()))
 
+
+def _check_model(config) -> None:
+    """model.path, its attention kernels, LoRA, init_from and critic_path."""
     _guard("model.path", weights.model_kind, config.model.path)
-    if config.model.get("attention", "auto") == "cudnn":  # the model's head dim: `training.build`
+    if config.model.get("attention", "auto") == "cudnn":  # the model's head dim: `experiment.build`
         refused = model.cudnn_refusal(phase_dtypes(config)["update"], None, model.gpu_capability())
         if refused:
             raise ConfigError(f"model.attention=cudnn: cuDNN's flash attention {refused}; "
@@ -163,35 +123,35 @@ def check(config) -> None:
         lc = config.model.lora
         _guard("model.lora", lora.check, lc.rank, lc.alpha, lc.target_modules)
     if config.model.init_from:
-        _guard("model.init_from", training.init_source, config)
+        _guard("model.init_from", run_config.init_source, config)
     if config.model.critic_path:
         _guard("model.critic_path", weights.model_kind, config.model.critic_path)
-    _guard("env.options", lambda: envs.make(config.env.name, **config.env.options.to_dict()))
-    _guard("env.mix", training.env_mix, config)
-    _guard("val.tags", evaluate.parse_tags, config.val.tags, config.env.name)
-    _check_chunks(config)
-    context_window(config.rollout.context_window_mode, config.rollout.max_context_window)
-    algo = _guard("algorithm", training.algo_config, config)
-    _check_batches(config, algo)
-    if config.sft.steps > 0:
-        from starpo import sft
 
-        _guard("sft", sft.check, config, envs.make(config.env.name,
-                                                    **config.env.options.to_dict()))
+
+def check_sft(config, env) -> None:
+    """ValueError (one line) where an SFT phase of `config` cannot run: a batch mixing env
+    variants, an env without a solver, micro-batches not dividing the step's levels."""
+    s = config.sft
+    if config.env.mix:
+        raise ValueError("sft: demonstrations play one env variant; drop env.mix")
+    demos.check_solvable(env)
+    micro = min(config.algorithm.micro_batch_size, s.env_groups)
+    if s.env_groups % micro:
+        raise ValueError(f"sft.env_groups {s.env_groups} is not a multiple of "
+                         f"algorithm.micro_batch_size {micro}")
 
 
 def _check_chunks(config) -> None:
     """rollout.batch_size and val.batch_size are whole groups dividing their episodes; a batch
     that mixes env variants is played at once."""
-    from starpo import training
-
     for part in ("rollout", "val"):
-        _guard(f"{part}.batch_size", training.batch_size, config[part])
+        _guard(f"{part}.batch_size", run_config.batch_size, config[part])
     r = config.rollout
-    if len(training.env_mix(config)) > 1 and config.algorithm.filter_groups_enable:
+    mixed = len(run_config.env_mix(config)) > 1
+    if mixed and config.algorithm.filter_groups_enable:
         raise ConfigError("algorithm.filter_groups_enable: dynamic sampling keeps one env's "
                           "groups in any order; a batch that mixes env variants (env.mix) can't")
-    if len(training.env_mix(config)) > 1 and training.batch_size(r) != r.env_groups * r.group_size:
+    if mixed and run_config.batch_size(r) != r.env_groups * r.group_size:
         raise ConfigError(f"rollout.batch_size {r.batch_size}: a batch that mixes env variants "
                           f"(env.mix) is played at once; use 0")
 
@@ -199,13 +159,11 @@ def _check_chunks(config) -> None:
 def _check_batches(config, algo) -> None:
     """The update's batch sizes divide as it needs: the kept rows into mini-batches, those into
     micro-batches (`update.num_updates` and the update's micro-batch split)."""
-    from starpo import filtering, update
-
     r = config.rollout
     kept = filtering.static_groups(r.env_groups, algo.rollout_filter_ratio,
                                    algo.rollout_filter_strategy)
     rows = kept * r.group_size
-    mini, _ = update.num_updates(algo, rows)
+    mini, _ = update_lib.num_updates(algo, rows)
     # the old-log-prob forward runs over all kept rows, each optimizer update over a mini-batch
     if rows % min(algo.micro_batch_size, rows) or mini % min(algo.micro_batch_size, mini):
         raise ConfigError(

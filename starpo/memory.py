@@ -35,7 +35,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from starpo import lora
+from starpo import dialogue, filtering, lora, run_config
 from starpo.model import CACHE_QUERY_BLOCK, ModelConfig
 
 GB = 1e9
@@ -62,7 +62,7 @@ def _bytes(dtype: str) -> int:
 
 def state_parts(algo, cfg: ModelConfig, model_shards: int, base_dtype: str = "float32") -> tuple:
     """(what, bytes) of the TrainState and the reference weights, per device (`algo`: the
-    run's `update.AlgoConfig`; `base_dtype`: a LoRA base's)."""
+    run's `run_config.AlgoConfig`; `base_dtype`: a LoRA base's)."""
     if cfg.lora_rank:  # one shared frozen base; per model, float32 adapters (+ 2 moments)
         a = lora.num_adapter_params(cfg) * 4 / model_shards
         parts = [("frozen base weights (shared)", cfg.num_params * _bytes(base_dtype)
@@ -158,13 +158,11 @@ def plan(config, cfg: ModelConfig, *, mesh_shape=(1, 1, 1), prompt_tokens: int =
     `contexts`: the cache slots of the training and the validation rollouts (what an episode
     can reach, `Rollout.context`; None: rollout.max_context for both, an upper bound);
     `attention`: the update's attention kernels (`model.kernels`; "cudnn" keeps no scores)."""
-    from starpo import filtering, training
-
     data, fsdp, tensor = mesh_shape
     batch_shards, model_shards = data * fsdp, fsdp * tensor
     r, v = config.rollout, config.val
-    algo = training.algo_config(config)
-    settings = training.lora_settings(config)
+    algo = run_config.algo_config(config)
+    settings = run_config.lora_settings(config)
     if settings is not None and not cfg.lora_rank:  # a model shape: the config's adapters
         cfg = cfg.replace(lora_rank=int(settings["rank"]), lora_alpha=float(settings["alpha"]),
                           lora_targets=lora.parse_targets(settings["targets"]))
@@ -194,8 +192,6 @@ def plan(config, cfg: ModelConfig, *, mesh_shape=(1, 1, 1), prompt_tokens: int =
 def prompt_chunks(rollout) -> list[tuple[int, int]]:
     """(prompt prefix tokens, widest observation chunk) of each env a rollout plays: the two
     chunks appended before the first reply."""
-    from starpo import dialogue
-
     return [(sum(int(t.lengths[t.ids[k]]) for k in ("start", "prefix")),
              dialogue.chunk_width(etext, t))
             for etext, t in zip(rollout.texts, rollout.env_tables)]

@@ -30,57 +30,32 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from starpo import checkpoint as ckpt_lib
-from starpo import demos
-from starpo import evaluate
-from starpo import lora, losses
+from starpo import config_check, demos, evaluate
+from starpo import experiment as experiment_lib
+from starpo import harness, lora, losses
 from starpo import metrics as metrics_lib
 from starpo import rollout as rollout_lib
-from starpo import sharding
+from starpo import run_config, sharding
 from starpo import update as update_lib
 from starpo.precision import phase_dtypes
 from starpo.trajectory import trimmed_length
 
 
-def sft_algo(config) -> update_lib.AlgoConfig:
-    """The run's algorithm knobs with SFT's learning rate and warm-up (no critic, no decay)."""
-    from starpo import training
-
-    s = config.sft
-    return training.algo_config(config).replace(
-        adv_estimator="grpo", actor_lr=float(s.lr), warmup_steps=int(s.warmup_steps),
-        lr_decay_steps=0)
-
-
-def check(config, env) -> None:
-    """ValueError (one line) where an SFT phase of `config` cannot run: a batch mixing env
-    variants, an env without a solver, micro-batches not dividing the step's levels."""
-    s = config.sft
-    if config.env.mix:
-        raise ValueError("sft: demonstrations play one env variant; drop env.mix")
-    demos.check_solvable(env)
-    micro = min(config.algorithm.micro_batch_size, s.env_groups)
-    if s.env_groups % micro:
-        raise ValueError(f"sft.env_groups {s.env_groups} is not a multiple of "
-                         f"algorithm.micro_batch_size {micro}")
-
-
 @functools.lru_cache(maxsize=4)
-def make_step(algo: update_lib.AlgoConfig, cfg):
+def make_step(algo: run_config.AlgoConfig, cfg):
     """Jitted `step(state, traj, weight)` -> (state, metrics): one AdamW update of the mean
     NLL of the weighted rows' reply tokens, summed over micro-batches."""
     tx = update_lib.make_optimizer(algo.actor_lr, algo)
 
     def nll(params, tokens, valid, mask, *turns):
         # under a context window the demonstration is trained in the context the policy sees
-        window = update_lib._window(algo, turns[0]) if turns else None
+        window = update_lib.turn_window(algo, turns[0]) if turns else None
         logp, _ = update_lib.token_logprobs(params, cfg, tokens, valid, algo.logit_chunk_size,
                                             window=window)
         return -jnp.sum(logp * mask)
@@ -93,7 +68,7 @@ def make_step(algo: update_lib.AlgoConfig, cfg):
         micro = min(algo.micro_batch_size, B)
         rows = (traj.tokens, valid, mask) + ((traj.window_turns(),) if algo.context_window
                                              else ())
-        parts = jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]), rows)
+        parts = update_lib.micro_split(rows, micro)
 
         def accumulate(carry, xs):
             grads, total = carry
@@ -114,7 +89,7 @@ def make_step(algo: update_lib.AlgoConfig, cfg):
 
 
 @functools.lru_cache(maxsize=4)
-def make_scorer(algo: update_lib.AlgoConfig, cfg):
+def make_scorer(algo: run_config.AlgoConfig, cfg):
     """Jitted `score(params, traj, weight)` -> f32[4] (sums over the weighted rows): reply
     tokens' NLL, reply tokens, replies the model would write exactly, replies. A reply (one
     turn's model tokens) counts as written exactly when, teacher-forced in the demonstration's
@@ -122,7 +97,7 @@ def make_scorer(algo: update_lib.AlgoConfig, cfg):
     the share of the solver's moves the model's greedy answer picks."""
 
     def one(params, turns, tokens, valid, mask, turn, weight, *wturns):
-        window = update_lib._window(algo, wturns[0]) if wturns else None
+        window = update_lib.turn_window(algo, wturns[0]) if wturns else None
 
         def head(logits, y):
             logp, _ = losses.logprobs_and_entropy(logits, y)
@@ -143,7 +118,7 @@ def make_scorer(algo: update_lib.AlgoConfig, cfg):
         micro = max(d for d in range(1, min(algo.micro_batch_size, B) + 1) if B % d == 0)
         rows = (traj.tokens, traj.valid, traj.loss_mask, traj.turn_index, weight) + (
             (traj.window_turns(),) if algo.context_window else ())
-        parts = update_lib._micro_split(rows, micro)
+        parts = update_lib.micro_split(rows, micro)
         turns = traj.turn_end.shape[1]
         return jax.lax.map(lambda xs: one(params, turns, *xs), parts).sum(0)
 
@@ -154,7 +129,7 @@ def make_scorer(algo: update_lib.AlgoConfig, cfg):
 class Phase:
     """What an SFT phase builds once (beside the run's Experiment)."""
 
-    algo: update_lib.AlgoConfig
+    algo: run_config.AlgoConfig
     demo: object  # jitted (env_state, key) -> (traj, metrics, weight) of the training env
     levels: object  # jitted (key, seed) -> (env_state, group_id): sft.env_groups levels
     step: object
@@ -165,12 +140,10 @@ class Phase:
 
 
 def build(config, exp) -> Phase:
-    """The SFT phase of `config` over `exp` (a `training.build` of it)."""
-    from starpo import training
-
-    check(config, exp.env)
-    algo = sft_algo(config)
-    spec = training.rollout_spec(config)
+    """The SFT phase of `config` over `exp` (an `experiment.build` of it)."""
+    config_check.check_sft(config, exp.env)
+    algo = run_config.sft_algo(config)
+    spec = run_config.rollout_spec(config)
     demo = demos.make_demo_rollout(exp.env, exp.policy.tokenizer, spec,
                                    config.sft.actions_per_turn)
     G, env = config.sft.env_groups, exp.env
@@ -186,10 +159,8 @@ def build(config, exp) -> Phase:
 def val_demos(exp, config) -> dict:
     """{tag: (Trajectory, metrics, weight)}: the solver's episodes of each validation set's
     levels through the run's dialogue (tags without a solver are left out)."""
-    from starpo import training
-
     out = {}
-    spec = training.rollout_spec(config)
+    spec = run_config.rollout_spec(config)
     for tag, vs in exp.val_sets.items():
         try:
             demo = demos.make_demo_rollout(vs.env, exp.policy.tokenizer, spec,
@@ -276,47 +247,25 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
         log=metrics_lib.say, stop_after: int | None = None):
     """Run (or resume, or find finished) the SFT phase `phase` (a `build(config, exp)`) in
     `workdir`; returns the trained actor params, or None after `stop_after` steps of this call
-    (checkpoint saved). Raises `training.Stopped` on SIGTERM / Ctrl-C (checkpoint saved)."""
-    from starpo import training
-
+    (checkpoint saved). Raises `harness.Stopped` on SIGTERM / Ctrl-C (checkpoint saved)."""
     total = config.sft.steps
-    lead = jax.process_index() == 0
-    if not lead:
-        log, progress = (lambda *a, **k: None), False
-    resuming = training.check_workdir(workdir, config)
-    os.makedirs(workdir, exist_ok=True)
-    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                 keep=config.trainer.keep_checkpoints)
-    if not resuming and lead:
-        training.write_config(workdir, config)
-    start = 0
-    if resuming and ckpt.latest_step() is not None:
-        target = jax.tree_util.tree_map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            jax.eval_shape(lambda: phase.init(exp.policy.params)), phase.shardings)
-        state, meta = ckpt.restore(None, update_lib.split_state(target)[0])
-        state = update_lib.join_state(state, (lora.split(exp.policy.params)[1], None))
-        start = int(meta["step"])
-    else:
-        state = phase.init(exp.policy.params)
+    log, progress = harness.lead_only(log, progress)
+    resuming = harness.check_workdir(workdir, config)
+    ckpt = harness.open_checkpoints(workdir, config)
+    if not resuming and jax.process_index() == 0:
+        harness.write_config(workdir, config)
+    state, start = _resume(phase, exp, ckpt, resuming)
     if start >= total:
         log(f"sft: {workdir} finished ({start} steps)")
         ckpt.close()
         return state.actor_params
     log(f"sft: {total} steps of {config.sft.env_groups} solver demonstrations in {workdir}"
         + (f" (resuming from step {start})" if start else ""))
-    writer = (metrics_lib.MetricsWriter(workdir, resume_step=start if start else -1) if lead
-              else metrics_lib.NullWriter())
-
-    def save(step):
-        saved = update_lib.split_state(state)[0]  # a LoRA base is not saved: it is model.path's
-        ckpt.save(step, saved, {"step": step, "seed": config.seed, "phase": "sft",
-                                "config": json.loads(training.config_json(config))})
-
-    with training._Stop() as stop:
+    writer = harness.metrics_writer(workdir, start)
+    with harness.Stop() as stop:
         if start == 0 and config.val.before_train:
             scalars = {**demo_validation(phase, exp, state.actor_params, solver=True),
-                       **training.validate(exp, state.actor_params, writer, 0)}
+                       **experiment_lib.validate(exp, state.actor_params, writer, 0)}
             writer.write(0, scalars)
             log(summary_line(0, total, scalars))
         bar = metrics_lib.Progress(start, total, "sft", show=progress, log=log)
@@ -326,41 +275,55 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
             n = step + 1
             f = config.sft.test_freq
             if (f > 0 and n % f == 0) or (n == total and f > 0):
-                scalars.update(training.validate(exp, state.actor_params, writer, n))
+                scalars.update(experiment_lib.validate(exp, state.actor_params, writer, n))
                 scalars.update(demo_validation(phase, exp, state.actor_params))
             writer.write(n, scalars)
             bar.write(summary_line(n, total, scalars))
             done_here += 1
-            # every process stops at the same step, whichever of them got the signal
-            stoppers = sharding.processes_flagging(stop.requested)
+            stoppers = harness.asked_to_stop(stop)
             end = n == total or bool(stoppers) or (stop_after is not None
                                                    and done_here >= stop_after)
             if end or (config.sft.save_freq > 0 and n % config.sft.save_freq == 0):
-                save(n)
+                _save(ckpt, config, n, state)
             if end:
                 break
         bar.close()
     writer.close()
     ckpt.close()
-    training.raise_if_stopped(stoppers, n, total, "SFT step")
+    harness.raise_if_stopped(stoppers, n, total, "SFT step")
     return state.actor_params if n >= total else None
+
+
+def _resume(phase: Phase, exp, ckpt, resuming: bool):
+    """(state, first step): the phase's latest checkpoint's, or a fresh state at step 0."""
+    if not (resuming and ckpt.latest_step() is not None):
+        return phase.init(exp.policy.params), 0
+    target = harness.restore_target(jax.eval_shape(lambda: phase.init(exp.policy.params)),
+                                    phase.shardings)
+    state, meta = ckpt.restore(None, update_lib.split_state(target)[0])
+    state = update_lib.join_state(state, (lora.split(exp.policy.params)[1], None))
+    return state, int(meta["step"])
+
+
+def _save(ckpt, config, step: int, state) -> None:
+    saved = update_lib.split_state(state)[0]  # a LoRA base is not saved: it is model.path's
+    ckpt.save(step, saved, {"step": step, "seed": config.seed, "phase": "sft",
+                            "config": json.loads(harness.config_json(config))})
 
 
 def train_only(config, workdir: str, *, progress: bool = True, log=metrics_lib.say):
     """`launch/sft.py`: check, build and run the SFT phase of `config` alone in `workdir`
     (the paper's SFT baseline; evaluate it with launch/eval.py)."""
-    from starpo import config_check, training
-
     config_check.check(config)
     if config.sft.steps <= 0:
-        raise config_check.ConfigError("sft.steps must be > 0 for an SFT run, got "
-                                       f"{config.sft.steps}")
-    training.check_workdir(workdir, config)
+        raise run_config.ConfigError("sft.steps must be > 0 for an SFT run, got "
+                                     f"{config.sft.steps}")
+    harness.check_workdir(workdir, config)
     t0 = time.perf_counter()
-    exp = training.build(config)
-    training.memory_plan(exp, log)
+    exp = experiment_lib.build(config)
+    harness.memory_plan(exp, log)
     phase = build(config, exp)
     with jax.set_mesh(exp.mesh):
         if jax.process_index() == 0:
-            training.log_start(exp, time.perf_counter() - t0, log)
+            harness.log_start(exp, time.perf_counter() - t0, log)
         return run(config, workdir, exp, phase, progress=progress, log=log)

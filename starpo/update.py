@@ -21,7 +21,6 @@ trainable part alone. Knob names follow the reference (REFERENCE.md section 4).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -35,172 +34,9 @@ from starpo import advantages as adv_lib
 from starpo import filtering, lora, losses
 from starpo import model as model_lib
 from starpo import sharding
-from starpo.config_check import ConfigError, check_rules, within
 from starpo.model import ModelConfig
+from starpo.run_config import AlgoConfig
 from starpo.trajectory import Trajectory
-
-ESTIMATORS = ("gae", "bi_level_gae", "grpo", "gigpo")
-
-
-# ----------------------------------------------------------------------------- config
-@dataclasses.dataclass(frozen=True)
-class AlgoConfig:
-    """Algorithm knobs (hashable). Defaults are the reference's (REFERENCE.md section 4)."""
-
-    # advantages
-    adv_estimator: str = "gae"  # gae | bi_level_gae | grpo | gigpo
-    gamma: float = 1.0
-    lam: float = 1.0
-    high_level_gamma: float = 0.95  # turn-level discount of bi_level_gae
-    norm_adv_by_std_in_grpo: bool = True
-    use_turn_scores: bool = False  # per-turn rewards on each turn's last token
-    reward_norm_grouping: str = "state"  # state (group_id) | batch | inductive (env tag)
-    reward_norm_method: str = "identity"  # identity | mean | mean_std | asym_clip
-    # StarPO-S rollout filter; rows are env_groups x group_size
-    group_size: int = 16
-    rollout_filter_ratio: float = 0.25  # 1.0 keeps every group
-    rollout_filter_type: str = "std"  # std (keep highest in-group std) | std_rev (lowest)
-    # RAGEN-2: top_k is the ratio filter above; top_p keeps the highest-std groups up to a share
-    rollout_filter_strategy: str = "top_k"  # top_k | top_p
-    rollout_filter_top_p: float = 1.0  # RAGEN-2's rollout_filter_value under top_p; 1 keeps all
-    rollout_filter_top_p_prob_mode: str = "linear"  # linear (std mass) | softmax
-    rollout_filter_include_zero: bool = True  # False drops zero-std groups first
-    rollout_filter_selection_eps: float = 0.01  # linear: threshold = p * sum(std) - eps
-    # RAGEN-2's filter_loss_scaling: advantages times the kept share of groups (linear), its
-    # square root (sqrt), or as they are (none)
-    filter_loss_scaling: str = "none"
-    # GiGPO (verl-agent): step-level advantages of identical states, discounted by `gamma`
-    gigpo_step_advantage_w: float = 1.0
-    gigpo_mode: str = "mean_norm"  # mean_norm | mean_std_norm (both levels)
-    # the episode level's group mean and std over steps (an episode once per turn it took),
-    # verl-agent's default; False: over episodes (the paper's formula)
-    gigpo_episode_over_steps: bool = True
-    # policy loss
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 3.0  # dual clip for negative advantages
-    entropy_coeff: float = 0.001
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3)
-    use_kl_in_reward: bool = False  # subtract kl_coef * KL from every model token's reward
-    kl_penalty: str = "kl"  # estimator of the in-reward KL (same choices)
-    kl_coef: float = 0.001
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
-    # DAPO's overlong reward shaping (verl's reward_model.overlong_buffer.len / .penalty_factor),
-    # per turn: a reply of L model tokens with response_length (max new tokens per turn) Lmax
-    # loses factor x (L - (Lmax - len)) / len once L > Lmax - len (factor at Lmax); the turns'
-    # penalties add to the episode's score before normalisation. len 0 = off
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    # DAPO's dynamic sampling (verl's algorithm.filter_groups.enable / .max_num_gen_batches /
-    # .metric): training.py plays more rollout batches until env_groups groups whose episodes
-    # differ in `filter_groups_metric` (or of one episode) are found, or max_num_gen_batches
-    # batches were played (>= 1). The metric: "score" (rewards and format penalty, before the
-    # overlong penalty) or "success" (the env's; DAPO's recipe filters on accuracy, "acc")
-    filter_groups_enable: bool = False
-    filter_groups_max_num_gen_batches: int = 10
-    filter_groups_metric: str = "score"
-    # critic
-    cliprange_value: float = 0.5
-    # optimisation (AdamW; warm-up is linear over optimizer steps)
-    actor_lr: float = 1e-6
-    critic_lr: float = 1e-5
-    warmup_steps: int = 0
-    # cosine decay of the learning rate to min_lr_ratio x lr over this many optimizer updates
-    # after the warm-up (0 = constant, the reference's default)
-    lr_decay_steps: int = 0
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.01  # AdamW's decoupled decay (the reference's optimizer default)
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    grad_clip: float = 1.0  # global-norm clip
-    critic_warmup: int = 0  # rollout batches during which only the critic is trained
-    ppo_mini_batch_size: int = 32  # rows (episodes) per optimizer update
-    micro_batch_size: int = 4  # rows per forward/backward (gradient accumulation)
-    ppo_epochs: int = 1
-    online_k: int = 0  # optimizer updates per rollout batch; 0 = ppo_epochs * mini-batches
-    # tokens per chunk of the log-prob head; 0 = the whole sequence. Float32 logits of 64
-    # tokens at a time (recomputed in the backward pass) rather than of whole rows: Qwen2.5-0.5B
-    # at 3584 tokens, micro-batches of 4, 0.5 GB instead of 26 GB
-    logit_chunk_size: int = 64
-    response_length: int = 400  # the rollout's max new tokens per turn (overlong shaping's Lmax)
-    # the rollout's sampling temperature: the policy being optimised is the tempered one, so the
-    # training forward divides logits by it too (as the reference's actor does)
-    temperature: float = 1.0
-    # the rollout's context window in turns (`RolloutSpec.context_window`, from
-    # rollout.context_window_mode / max_context_window): the training forward masks attention
-    # the same way, so log-probs are those of the context each token was sampled in; 0 = off
-    context_window: int = 0
-
-    def __post_init__(self):
-        """Every knob in its range; messages name the config key (`algorithm.x`, `rollout.x`)."""
-        choices = {
-            "adv_estimator": ESTIMATORS, "reward_norm_grouping": adv_lib.GROUPINGS,
-            "reward_norm_method": adv_lib.NORM_METHODS,
-            "rollout_filter_type": filtering.FILTER_TYPES, "kl_loss_type": losses.KL_TYPES,
-            "rollout_filter_strategy": filtering.FILTER_STRATEGIES,
-            "rollout_filter_top_p_prob_mode": filtering.TOP_P_PROB_MODES,
-            "gigpo_mode": adv_lib.GIGPO_MODES,
-            "kl_penalty": losses.KL_TYPES, "loss_agg_mode": losses.LOSS_AGG_MODES,
-            "filter_groups_metric": filtering.FILTER_GROUPS_METRICS,
-            "filter_loss_scaling": filtering.FILTER_LOSS_SCALINGS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{_key(name)}={getattr(self, name)!r} is not one of {allowed}")
-        check_rules(_RANGES, lambda name: getattr(self, name), _key)
-        if self.adv_estimator == "gigpo" and self.group_size < 2:
-            raise ConfigError("algorithm.adv_estimator=gigpo compares episodes of one group: it "
-                              f"needs rollout.group_size >= 2, got {self.group_size}")
-        if self.overlong_buffer_len > self.response_length:
-            raise ConfigError(f"algorithm.overlong_buffer_len {self.overlong_buffer_len} is more "
-                              f"than rollout.response_length {self.response_length}")
-        if self.ppo_mini_batch_size % self.micro_batch_size:
-            raise ConfigError(f"algorithm.ppo_mini_batch_size {self.ppo_mini_batch_size} is not a "
-                             f"multiple of algorithm.micro_batch_size {self.micro_batch_size}")
-
-    def replace(self, **changes) -> "AlgoConfig":
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.adv_estimator not in ("grpo", "gigpo")
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.use_kl_loss or self.use_kl_in_reward
-
-
-def _key(name: str) -> str:
-    """The config key of an AlgoConfig field (group size and temperature come from `rollout`)."""
-    rollout = ("group_size", "temperature", "response_length", "context_window")
-    return f"rollout.{name}" if name in rollout else f"algorithm.{name}"
-
-
-_COUNT, _SIZE, _RATE = within(0), within(1), within(0, 1)
-_BETA = within(0, 1, hi_open=True)
-# field -> rule (starpo.config_check)
-_RANGES = {
-    "gamma": _RATE, "lam": _RATE, "high_level_gamma": _RATE,
-    "group_size": _SIZE, "context_window": _COUNT,
-    "rollout_filter_ratio": within(0, 1, lo_open=True),
-    "rollout_filter_top_p": within(0, 1, lo_open=True),
-    "rollout_filter_selection_eps": _COUNT, "gigpo_step_advantage_w": _COUNT,
-    "clip_ratio_low": _COUNT, "clip_ratio_high": _COUNT,
-    "clip_ratio_c": within(1, lo_open=True),  # the dual clip bounds a ratio above 1
-    "entropy_coeff": _COUNT, "kl_loss_coef": _COUNT, "kl_coef": _COUNT,
-    "cliprange_value": within(0, lo_open=True),
-    "actor_lr": _COUNT, "critic_lr": _COUNT, "warmup_steps": _COUNT, "lr_decay_steps": _COUNT,
-    "min_lr_ratio": _RATE, "weight_decay": _COUNT, "adam_b1": _BETA, "adam_b2": _BETA,
-    "grad_clip": within(0, lo_open=True), "critic_warmup": _COUNT,
-    "ppo_mini_batch_size": _SIZE, "micro_batch_size": _SIZE, "ppo_epochs": _SIZE,
-    "online_k": _COUNT, "logit_chunk_size": _COUNT,
-    "overlong_buffer_len": _COUNT, "overlong_penalty_factor": _COUNT, "response_length": _SIZE,
-    "filter_groups_max_num_gen_batches": _SIZE,
-    # training samples from the tempered policy and divides the logits by it
-    "temperature": within(0, lo_open=True, note="greedy 0 is for val.temperature"),
-}
 
 
 # ----------------------------------------------------------------------------- state
@@ -340,7 +176,7 @@ class Batch:
     keep: jax.Array | None = None
 
 
-def _window(algo: AlgoConfig, turns=None):
+def turn_window(algo: AlgoConfig, turns=None):
     """The `model.TurnWindow` of a batch's rows (turns [N,T]), or None without a window."""
     return model_lib.TurnWindow(turns, algo.context_window) if algo.context_window else None
 
@@ -402,14 +238,14 @@ def token_values(params, cfg: ModelConfig, tokens, valid, window=None):
     return _shift_right(model_lib.head_values(params, cfg, hidden[:, :-1]))
 
 
-def _micro_split(tree, micro: int):
+def micro_split(tree, micro: int):
     """[N,...] leaves -> [N/micro, micro, ...]."""
     return jax.tree_util.tree_map(lambda x: x.reshape((-1, micro) + x.shape[1:]), tree)
 
 
 def _micro_map(fn, micro: int, *arrays):
     """fn over micro-batches of the leading axis, results concatenated back to [N,...]."""
-    out = jax.lax.map(lambda xs: fn(*xs), _micro_split(arrays, micro))
+    out = jax.lax.map(lambda xs: fn(*xs), micro_split(arrays, micro))
     return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
 
 
@@ -508,6 +344,32 @@ def _score(algo: AlgoConfig, traj: Trajectory):
     return traj.score + penalty, penalty
 
 
+def _advantages(algo: AlgoConfig, critic_cfg, state, traj: Trajectory, rewards, mask, micro,
+                rows):
+    """(advantages, returns, critic values or None) of the kept rows by `algo.adv_estimator`;
+    PPO's (with a critic) whitened over the batch."""
+    if algo.adv_estimator == "grpo":
+        advantages, returns = adv_lib.grpo(rewards.sum(axis=1), traj.group_id, mask,
+                                           algo.norm_adv_by_std_in_grpo)
+        return advantages, returns, None
+    if algo.adv_estimator == "gigpo":
+        advantages, returns = adv_lib.gigpo(
+            rewards.sum(axis=1), traj.turn_reward, traj.turn_end, traj.turn_index,
+            traj.state_hash, traj.group_id, mask, algo.gamma, algo.gigpo_step_advantage_w,
+            algo.gigpo_mode, algo.gigpo_episode_over_steps)
+        return advantages, returns, None
+    values = _micro_map(lambda t, v, *turns: token_values(
+        state.critic_params, critic_cfg, t, v, turn_window(algo, *turns)), micro, *rows)
+    values = jnp.where(mask, values, 0.0)
+    if algo.adv_estimator == "gae":
+        advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
+    else:
+        advantages, returns = adv_lib.bi_level_gae(
+            rewards, values, mask, traj.turn_end, algo.gamma, algo.lam, algo.high_level_gamma)
+    # PPO whitens token advantages over the batch (as the reference does)
+    return adv_lib.masked_whiten(advantages, mask), returns, values
+
+
 def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None):
     """prepare(state, traj, ref_params=None) -> (Batch, metrics): normalise, filter, recompute
     log-probs/values, rewards to tokens, advantages. Pure; jit it or call it inside a jit."""
@@ -537,7 +399,7 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         def logp_of(params):
             fn = lambda t, v, *turns: token_logprobs(  # noqa: E731
                 params, actor_cfg, t, v, algo.logit_chunk_size, algo.temperature,
-                _window(algo, *turns))[0]
+                turn_window(algo, *turns))[0]
             return _micro_map(fn, micro, *rows)
 
         old_logp = logp_of(state.actor_params)
@@ -548,27 +410,8 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
             kl = losses.kl_estimate(old_logp, ref_logp, algo.kl_penalty)
             rewards = rewards - algo.kl_coef * jnp.where(mask, kl, 0.0)
 
-        values = None
-        if algo.adv_estimator == "grpo":
-            advantages, returns = adv_lib.grpo(rewards.sum(axis=1), traj.group_id, mask,
-                                               algo.norm_adv_by_std_in_grpo)
-        elif algo.adv_estimator == "gigpo":
-            advantages, returns = adv_lib.gigpo(
-                rewards.sum(axis=1), traj.turn_reward, traj.turn_end, traj.turn_index,
-                traj.state_hash, traj.group_id, mask, algo.gamma, algo.gigpo_step_advantage_w,
-                algo.gigpo_mode, algo.gigpo_episode_over_steps)
-        else:
-            values = _micro_map(lambda t, v, *turns: token_values(
-                state.critic_params, critic_cfg, t, v, _window(algo, *turns)), micro, *rows)
-            values = jnp.where(mask, values, 0.0)
-            if algo.adv_estimator == "gae":
-                advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
-            else:
-                advantages, returns = adv_lib.bi_level_gae(
-                    rewards, values, mask, traj.turn_end, algo.gamma, algo.lam,
-                    algo.high_level_gamma)
-            # PPO whitens token advantages over the batch (as the reference does)
-            advantages = adv_lib.masked_whiten(advantages, mask)
+        advantages, returns, values = _advantages(algo, critic_cfg, state, traj, rewards, mask,
+                                                  micro, rows)
         if algo.filter_loss_scaling != "none":  # RAGEN-2: a smaller kept share, smaller steps
             ratio = metrics["rollout/filter_kept_ratio"]
             advantages = advantages * (ratio if algo.filter_loss_scaling == "linear"
@@ -592,7 +435,7 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
     micro-batch; `num_tokens` / `num_seqs` count the whole mini-batch."""
     logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
                                    algo.logit_chunk_size, algo.temperature,
-                                   _window(algo, m.turns))
+                                   turn_window(algo, m.turns))
     pg, clipped, lower, log_ratio = losses.policy_loss_terms(
         logp, m.old_logprobs, m.advantages, algo.clip_ratio_low, algo.clip_ratio_high,
         algo.clip_ratio_c)
@@ -619,7 +462,7 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
 def _critic_loss(algo: AlgoConfig, critic_cfg: ModelConfig, params, m: Batch, num_tokens,
                  num_seqs):
     """(loss, stats) of the clipped value loss on one micro-batch."""
-    values = token_values(params, critic_cfg, m.tokens, m.valid, _window(algo, m.turns))
+    values = token_values(params, critic_cfg, m.tokens, m.valid, turn_window(algo, m.turns))
     vf, clipped = losses.value_loss_terms(values, m.old_values, m.returns,
                                           algo.cliprange_value)
     loss = losses.aggregate(vf, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs)
@@ -670,7 +513,7 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         start = {"actor": zeros(actor_params, actor_names)}
         if algo.uses_critic:
             start["critic"] = zeros(critic_params, critic_names)
-        total, _ = jax.lax.scan(add_micro, start, _micro_split(mb, micro))
+        total, _ = jax.lax.scan(add_micro, start, micro_split(mb, micro))
         actor_g, metrics = total["actor"]
         metrics = dict(metrics)
         critic_g = None
@@ -755,6 +598,83 @@ def _apply(tx, params, opt_state, grads, apply):
     return lora.join(pick(new_params, train), frozen), pick(new_opt_state, opt_state)
 
 
+def _minibatch_plan(algo: AlgoConfig, batch: Batch, traj: Trajectory, key: jax.Array):
+    """(order [k, mini] of row indices, real bool[k]): the mini-batches of one update, those
+    past the kept rows (top_p, or a batch RAGEN-2 would grow by copies) marked not real."""
+    rows_in = batch.tokens.shape[0]
+    groups = traj.tokens.shape[0] // algo.group_size  # the rollout's, before the filter
+    mini = min(algo.ppo_mini_batch_size, rows_in)
+    if batch.keep is None and adjusted_size(rows_in, groups, mini) == rows_in:
+        order = minibatch_order(algo, rows_in, key)  # [k, mini]
+        return order, jnp.ones(order.shape[0], bool)
+    keep = jnp.ones(rows_in, bool) if batch.keep is None else batch.keep
+    return kept_minibatch_order(algo, keep, groups, key)
+
+
+def _one_update(algo: AlgoConfig, grads_fn, optimizers, batch: Batch, frozen, train_actor):
+    """One step of the update's `lax.scan` over mini-batches: (trainable state, (rows,
+    is_real)) -> (trainable state, metrics). `optimizers`: the actor's and the critic's
+    (AdamW, learning rate schedule)."""
+    (actor_tx, actor_lr), (critic_tx, critic_lr) = optimizers
+
+    def one_update(trainable: TrainState, xs):
+        state = join_state(trainable, frozen)
+        rows, is_real = xs
+        mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
+        # During critic warm-up the actor's gradient is still computed but not applied: a
+        # `lax.cond` around it would nearly double the compile time for a few early steps.
+        actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb)  # new dict
+        some = mb.loss_mask.any() & is_real  # a mini-batch past the kept rows has nothing
+        state = _actor_step(actor_tx, actor_lr, state, actor_g, m, train_actor & is_real,
+                            train_actor & some)
+        if algo.uses_critic:
+            state = _critic_step(critic_tx, critic_lr, state, critic_g, m, is_real, some)
+        return split_state(state)[0], m
+
+    return one_update
+
+
+def _actor_step(tx, lr, state: TrainState, grads, m: dict, due, apply_if_ok) -> TrainState:
+    """The actor's AdamW step of one mini-batch, taken where `apply_if_ok` and its loss and
+    gradients are finite (a non-finite one is counted where `due`); its metrics into `m`."""
+    norm = optax.global_norm(grads)
+    ok = jnp.isfinite(norm) & jnp.isfinite(m["actor/loss"])
+    m["actor/grad_norm"] = norm
+    m["actor/lr"] = lr(state.actor_steps)
+    m["actor/nonfinite_skipped"] = (due & ~ok).astype(jnp.float32)
+    m["actor/online_k"] = (apply_if_ok & ok).astype(jnp.float32)
+    apply = apply_if_ok & ok
+    params, opt_state = _apply(tx, state.actor_params, state.actor_opt_state, grads, apply)
+    return state.replace(actor_params=params, actor_opt_state=opt_state,
+                         actor_steps=state.actor_steps + apply)
+
+
+def _critic_step(tx, lr, state: TrainState, grads, m: dict, is_real, some) -> TrainState:
+    """The critic's AdamW step of one mini-batch (as `_actor_step`, with no warm-up)."""
+    norm = optax.global_norm(grads)
+    ok = jnp.isfinite(norm) & jnp.isfinite(m["critic/vf_loss"])
+    m["critic/grad_norm"] = norm
+    m["critic/lr"] = lr(state.critic_steps)
+    m["critic/nonfinite_skipped"] = (~ok & is_real).astype(jnp.float32)
+    params, opt_state = _apply(tx, state.critic_params, state.critic_opt_state, grads, ok & some)
+    return state.replace(critic_params=params, critic_opt_state=opt_state,
+                         critic_steps=state.critic_steps + (ok & some))
+
+
+def _over_updates(per_update: dict, real) -> dict:
+    """The k updates' metrics as one number each: counts summed, the rest means over the
+    mini-batches taken (the no-ops past the kept rows left out)."""
+    taken = real.sum()
+    out = {}
+    for name, values in per_update.items():
+        summed = name in ("actor/nonfinite_skipped", "actor/online_k",
+                          "critic/nonfinite_skipped")
+        out[name] = values.sum() if summed else (
+            jnp.where(real, values, 0.0).sum() / jnp.maximum(taken, 1))
+    out["trainer/updates_per_batch"] = taken.astype(jnp.float32)
+    return out
+
+
 def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None,
                 compiler_options: dict | None = None, state_shardings=None, mesh=None):
     """The jitted StarPO update: `update(state, traj, key, ref_params=None) -> (state, metrics)`.
@@ -785,67 +705,20 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
     """
     prepare = make_prepare(algo, actor_cfg, critic_cfg)
     grads_fn = make_grad_fn(algo, actor_cfg, critic_cfg)
-    actor_tx = make_optimizer(algo.actor_lr, algo)
-    critic_tx = make_optimizer(algo.critic_lr, algo)
-    actor_lr = algo_lr_schedule(algo.actor_lr, algo)
-    critic_lr = algo_lr_schedule(algo.critic_lr, algo)
+    # (AdamW, its learning rate schedule) of the actor and of the critic
+    optimizers = tuple((make_optimizer(lr, algo), algo_lr_schedule(lr, algo))
+                       for lr in (algo.actor_lr, algo.critic_lr))
 
     def update(state: TrainState, traj: Trajectory, key: jax.Array, ref_params=None):
         batch, metrics = prepare(state, traj, ref_params)
-        rows_in = batch.tokens.shape[0]
-        groups = traj.tokens.shape[0] // algo.group_size  # the rollout's, before the filter
-        mini = min(algo.ppo_mini_batch_size, rows_in)
-        if batch.keep is None and adjusted_size(rows_in, groups, mini) == rows_in:
-            order = minibatch_order(algo, rows_in, key)  # [k, mini]
-            real = jnp.ones(order.shape[0], bool)
-        else:  # dropped rows (top_p) or a batch RAGEN-2 would grow by copies
-            keep = jnp.ones(rows_in, bool) if batch.keep is None else batch.keep
-            order, real = kept_minibatch_order(algo, keep, groups, key)
+        order, real = _minibatch_plan(algo, batch, traj, key)
         train_actor = state.step >= algo.critic_warmup if algo.uses_critic else jnp.bool_(True)
 
         trainable, frozen = split_state(state)  # the loop carries the trainable part alone
-
-        def one_update(trainable: TrainState, xs):
-            state = join_state(trainable, frozen)
-            rows, is_real = xs
-            mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
-            # During critic warm-up the actor's gradient is still computed but not applied: a
-            # `lax.cond` around it would nearly double the compile time for a few early steps.
-            actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb)  # new dict
-            norm = optax.global_norm(actor_g)
-            ok = jnp.isfinite(norm) & jnp.isfinite(m["actor/loss"])
-            some = mb.loss_mask.any() & is_real  # a mini-batch past the kept rows has nothing
-            m["actor/grad_norm"] = norm
-            m["actor/lr"] = actor_lr(state.actor_steps)
-            m["actor/nonfinite_skipped"] = (train_actor & ~ok & is_real).astype(jnp.float32)
-            m["actor/online_k"] = (train_actor & ok & some).astype(jnp.float32)
-            apply_actor = train_actor & ok & some
-            actor_params, actor_opt = _apply(actor_tx, state.actor_params, state.actor_opt_state,
-                                             actor_g, apply_actor)
-            state = state.replace(actor_params=actor_params, actor_opt_state=actor_opt,
-                                  actor_steps=state.actor_steps + apply_actor)
-            if algo.uses_critic:
-                norm = optax.global_norm(critic_g)
-                ok = jnp.isfinite(norm) & jnp.isfinite(m["critic/vf_loss"])
-                m["critic/grad_norm"] = norm
-                m["critic/lr"] = critic_lr(state.critic_steps)
-                m["critic/nonfinite_skipped"] = (~ok & is_real).astype(jnp.float32)
-                critic_params, critic_opt = _apply(critic_tx, state.critic_params,
-                                                   state.critic_opt_state, critic_g, ok & some)
-                state = state.replace(critic_params=critic_params, critic_opt_state=critic_opt,
-                                      critic_steps=state.critic_steps + (ok & some))
-            return split_state(state)[0], m
-
+        one_update = _one_update(algo, grads_fn, optimizers, batch, frozen, train_actor)
         trainable, per_update = jax.lax.scan(one_update, trainable, (order, real))
         state = join_state(trainable, frozen)
-        taken = real.sum()
-        for name, values in per_update.items():
-            summed = name in ("actor/nonfinite_skipped", "actor/online_k",
-                              "critic/nonfinite_skipped")
-            # means over the mini-batches taken (the no-ops past the kept rows left out)
-            metrics[name] = values.sum() if summed else (
-                jnp.where(real, values, 0.0).sum() / jnp.maximum(taken, 1))
-        metrics["trainer/updates_per_batch"] = taken.astype(jnp.float32)
+        metrics.update(_over_updates(per_update, real))
         metrics = {name: jnp.asarray(v, jnp.float32) for name, v in metrics.items()}
         return state.replace(step=state.step + 1), metrics
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from starpo import checkpoint
 from starpo import model as M
+from starpo import run_config as RC
 from starpo import sampler as S
 from starpo import sharding
 from starpo import update as UP
@@ -31,7 +32,7 @@ CFG = M.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, nu
                     head_dim=8, intermediate_size=64)
 CRITIC = CFG.replace(value_head=True)
 # keep half the groups (a gather of sharded rows), one mini-batch of 4 rows in one micro-batch
-ALGO = UP.AlgoConfig(adv_estimator="gae", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
+ALGO = RC.AlgoConfig(adv_estimator="gae", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
                      ppo_mini_batch_size=4, micro_batch_size=4, online_k=1, actor_lr=1e-2,
                      critic_lr=1e-2)
 MESHES = {"8x1x1": (8, 1, 1), "2x4x1": (2, 4, 1), "2x2x2": (2, 2, 2)}

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from starpo import run_config
 from starpo import update
 from starpo.checkpoint import Checkpointer, CheckpointError, load_params, read_meta
 from tests import fake_devices
@@ -21,7 +22,7 @@ def grpo_state(seed=0):
     params = {"dense": {"kernel": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
                         "bias": jnp.asarray(rng.standard_normal(3), jnp.bfloat16)},
               "embed": jnp.asarray(rng.standard_normal((5, 4)), jnp.float32)}
-    algo = update.AlgoConfig(adv_estimator="grpo")
+    algo = run_config.AlgoConfig(adv_estimator="grpo")
     state = update.init_train_state(algo, params)
     opt = update.make_optimizer(1e-2, algo)
     opt_state = state.actor_opt_state

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import frozenlake
-from starpo import config_check, evaluate, rollout, training, weights
+from starpo import config_check, evaluate, experiment, rollout, run_config, weights
 from tests.test_training import with_changes
 
 TINY = "tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64"
@@ -29,7 +29,7 @@ def test_an_eval_set_in_chunks_plays_the_same_levels(tiny):
     import envs
     env = envs.make("FrozenLake")
     spec = rollout.RolloutSpec(max_turn=2, max_new_tokens=6, max_context=2048)
-    kw = dict(env_groups=4, group_size=2, spec=spec, compiler_options=training.FAST_COMPILE)
+    kw = dict(env_groups=4, group_size=2, spec=spec, compiler_options=experiment.FAST_COMPILE)
     sets = {n: evaluate.make_eval_set("FrozenLake", env, tiny.tokenizer, tiny.cfg, batch_size=n,
                                       **kw) for n in (0, 8, 4)}
     key = jax.random.key(7)
@@ -67,7 +67,7 @@ def _config(**changes):
 
 def test_a_training_batch_in_chunks_is_the_same_batch(tiny):
     # (one chunk of the whole batch is the same call as 0: test_an_eval_set_in_chunks_...)
-    exps = {n: training.build(_config(rollout__batch_size=n, val__batch_size=n))
+    exps = {n: experiment.build(_config(rollout__batch_size=n, val__batch_size=n))
             for n in (0, 4)}
     key = jax.random.key(3)
     outs = {}
@@ -98,5 +98,5 @@ def test_a_training_batch_in_chunks_is_the_same_batch(tiny):
     (dict(rollout__batch_size=4, env__mix="FrozenLake:2,Bandit:2"), "rollout.batch_size"),
 ])
 def test_chunks_must_be_whole_groups_dividing_the_batch(changes, key):
-    with pytest.raises(config_check.ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(run_config.ConfigError, match=key.replace(".", r"\.")):
         config_check.check(_config(**changes))

@@ -2,7 +2,7 @@
 one-line `error:` before any work.
 
 `configs/*.py` state their knobs without importing the library; these tests hold them to
-`update.AlgoConfig`'s fields and the envs' options (names, types, the reference's defaults).
+`run_config.AlgoConfig`'s fields and the envs' options (names, types, the reference's defaults).
 The bad-value table names every key of every config file (a new key without a row fails) and
 each value goes through the parse and check `launch/train.py` runs (`common.parse_flags`,
 in-process: the same code, ~1 ms a case); a few cases then run the real command end to end.
@@ -21,7 +21,7 @@ from absl import flags
 import envs
 from configs import bandit, countdown, frozenlake, game2048, sokoban, sudoku
 from launch import common
-from starpo import config_check, model, training, update
+from starpo import config_check, experiment, model, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"configs/frozenlake.py": frozenlake, "configs/sokoban.py": sokoban,
@@ -53,7 +53,7 @@ def test_config_files_import_only_ml_collections():
 
 
 def test_algorithm_knobs_are_algoconfigs_fields_with_its_defaults():
-    fields = {f.name: f.default for f in dataclasses.fields(update.AlgoConfig)
+    fields = {f.name: f.default for f in dataclasses.fields(run_config.AlgoConfig)
               if f.name not in FROM_ROLLOUT}
     for path, variant, c in all_configs():
         algo = c.algorithm.to_dict()
@@ -79,8 +79,8 @@ def test_env_options_are_the_envs_options_with_its_defaults():
     # the rollout's copy of AlgoConfig's two fields keeps its defaults too
     r = frozenlake.get_config().rollout
     assert (r.group_size, r.temperature, r.response_length) == (
-        update.AlgoConfig.group_size, update.AlgoConfig.temperature,
-        update.AlgoConfig.response_length)
+        run_config.AlgoConfig.group_size, run_config.AlgoConfig.temperature,
+        run_config.AlgoConfig.response_length)
 
 
 def test_every_shipped_config_passes_the_check():
@@ -337,8 +337,8 @@ def test_a_limited_context_window_needs_its_size():
                                 ("limited_multi_turn", -1, 0)):
         c = parse(["train.py", f"--config={path}", f"--config.rollout.context_window_mode={mode}",
                    f"--config.rollout.max_context_window={window}"])
-        assert training.algo_config(c).context_window == turns
-        assert training.rollout_spec(c).context_window == turns
+        assert run_config.algo_config(c).context_window == turns
+        assert run_config.rollout_spec(c).context_window == turns
 
 
 def test_every_variant_passes_the_checks_a_run_makes():
@@ -350,10 +350,9 @@ def test_every_variant_passes_the_checks_a_run_makes():
 def test_every_tiny_variant_builds_its_model_and_tokenizer(path):
     """The tiny model's tokenizer is learned from the run's own dialogue, with its template
     lines as whole tokens: they must fit the tiny vocabulary (a 700-action budget did not)."""
-    from starpo import training
 
     config = FILES[path].get_config("tiny")
-    policy = training.load_policy(config)
+    policy = experiment.load_policy(config)
     assert policy.tokenizer.vocab_size <= policy.cfg.vocab_size
     answer = "<answer>" if config.rollout.enable_think is False else "</think>"
     assert policy.tokenizer.decode(policy.tokenizer.encode(answer)) == answer

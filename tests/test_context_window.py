@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import envs
+from starpo import run_config
 from starpo import model as M
 from starpo import rollout, update, weights
 from starpo.trajectory import check_trajectory
@@ -167,7 +168,7 @@ def test_update_logprobs_equal_the_samplers(tiny, window):
     assert (metrics["num_turns"] == MAX_TURN).any()  # turns beyond the window happened
     # the prefix is what every row starts with: the tokens before turn 0's observation
     assert (traj.turn_index[np.arange(4), traj.prefix_length] == 0).all()
-    algo = update.AlgoConfig(adv_estimator="grpo", group_size=GROUP_SIZE,
+    algo = run_config.AlgoConfig(adv_estimator="grpo", group_size=GROUP_SIZE,
                              rollout_filter_ratio=1.0, micro_batch_size=2,
                              ppo_mini_batch_size=4, context_window=window)
     state = update.init_train_state(algo, params)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from starpo import advantages as A
+from starpo import run_config as RC
 from starpo import update as UP
 from starpo.trajectory import Trajectory
 
@@ -65,18 +66,18 @@ def test_reply_lengths_count_each_turns_model_tokens():
 
 def test_the_score_gains_every_turns_penalty_before_normalisation():
     traj, plays = episodes()
-    algo = UP.AlgoConfig(response_length=5, overlong_buffer_len=2, overlong_penalty_factor=0.5)
+    algo = RC.AlgoConfig(response_length=5, overlong_buffer_len=2, overlong_penalty_factor=0.5)
     score, penalty = UP._score(algo, traj)
     want = [sum(ref_penalty(r, 5, 2, 0.5) for _, r in turns) for turns in plays]
     np.testing.assert_allclose(np.asarray(penalty), want, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(score), np.asarray(traj.score) + want, rtol=1e-6)
-    off_score, off = UP._score(UP.AlgoConfig(response_length=5), traj)
+    off_score, off = UP._score(RC.AlgoConfig(response_length=5), traj)
     assert off is None and np.array_equal(np.asarray(off_score), np.asarray(traj.score))
 
 
 def test_a_buffer_longer_than_the_reply_budget_is_an_error():
-    with pytest.raises(UP.ConfigError, match="overlong_buffer_len"):
-        UP.AlgoConfig(response_length=8, overlong_buffer_len=9)
+    with pytest.raises(RC.ConfigError, match="overlong_buffer_len"):
+        RC.AlgoConfig(response_length=8, overlong_buffer_len=9)
 
 
 def test_the_dapo_preset_sets_dapos_settings_on_any_variant():
@@ -209,7 +210,7 @@ def test_play_batch_gathers_kept_groups_across_batches_as_verl(metric, max_batch
 
     config = ml_collections.ConfigDict(dict(
         seed=0, rollout=dict(env_groups=G, group_size=gs, temperature=1.0)))
-    algo = UP.AlgoConfig(group_size=gs, filter_groups_enable=True, filter_groups_metric=metric,
+    algo = RC.AlgoConfig(group_size=gs, filter_groups_enable=True, filter_groups_metric=metric,
                          filter_groups_max_num_gen_batches=max_batches)
     exp = types.SimpleNamespace(
         config=config, algo=algo, run_rollout=rollout, mesh=sharding.make_mesh(),

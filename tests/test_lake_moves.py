@@ -9,16 +9,16 @@ import pytest
 from configs import frozenlake
 from experiments import lake_moves
 from starpo import model as model_lib
-from starpo import training
+from starpo import experiment, run_config
 from tests.test_solvers import LAKE_DELTAS, lake_bfs, lake_target
 
 
 def test_move_accuracy_of_a_tiny_policy():
     config = frozenlake.get_config("tiny")
-    policy = training.load_policy(config)
+    policy = experiment.load_policy(config)
     r = lake_moves.score(config, policy, levels=12, eps=0.5, seed=3)
     m = r["moves"]
-    answers = lake_moves.answer_tokens(training.make_env(config, "FrozenLake"), policy.tokenizer)
+    answers = lake_moves.answer_tokens(run_config.make_env(config, "FrozenLake"), policy.tokenizer)
     n, live = config.env.options.size, m["live"]
     assert live.sum() > 20 and len(set(m["move"][live].tolist())) == 4  # random moves too
     tokens, turn_end = m["tokens"], m["turn_end"]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import bandit, frozenlake, sokoban
-from starpo import precision, training
+from starpo import harness, precision, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,11 +39,11 @@ def test_phase_dtypes(monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
     assert precision.phase_dtypes(c) == dict(decode="float32", prefill="bfloat16",
                                             update="bfloat16")
-    assert training.rollout_spec(c).prefill_dtype == "bfloat16"
+    assert run_config.rollout_spec(c).prefill_dtype == "bfloat16"
     monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
     assert set(precision.phase_dtypes(c).values()) == {"float32"}
-    assert training.rollout_spec(c).prefill_dtype == "float32"
-    assert training.model_dtype(c) == "float32"
+    assert run_config.rollout_spec(c).prefill_dtype == "float32"
+    assert run_config.model_dtype(c) == "float32"
     c.unlock()
     c.model.dtype = "bfloat16"
     assert set(precision.phase_dtypes(c).values()) == {"bfloat16"}
@@ -61,21 +61,21 @@ def test_cpu_bf16_probe_reads_the_flags():
 
 def test_resume_accepts_only_harmless_changes():
     c = frozenlake.get_config("tiny")
-    saved = training.config_json(c)
-    training.check_resumable(saved, c)
+    saved = harness.config_json(c)
+    harness.check_resumable(saved, c)
     longer = frozenlake.get_config("tiny")
     longer.unlock()
     longer.trainer.total_steps = 999
-    training.check_resumable(saved, longer)
+    harness.check_resumable(saved, longer)
     other = frozenlake.get_config("tiny")
     other.unlock()
     other.rollout.temperature = 0.7
     with pytest.raises(ValueError, match="rollout.temperature"):
-        training.check_resumable(saved, other)
+        harness.check_resumable(saved, other)
     # a saved config reads back equal (tuples survive the JSON round trip)
     s = sokoban.get_config()
-    assert training.config_json(training.config_from_json(training.config_json(s))) == \
-        training.config_json(s)
+    assert harness.config_json(run_config.config_from_json(harness.config_json(s))) == \
+        harness.config_json(s)
 
 
 def with_mix(config, mix):
@@ -95,7 +95,7 @@ def with_mix(config, mix):
 ])
 def test_bad_env_mix_is_one_clear_error(mix, words):
     with pytest.raises(ValueError) as e:
-        training.env_mix(with_mix(bandit.get_config("tiny"), mix))
+        run_config.env_mix(with_mix(bandit.get_config("tiny"), mix))
     message = str(e.value)
     assert message.startswith(f"env.mix {mix!r}: ") and "\n" not in message
     for w in words:
@@ -104,17 +104,17 @@ def test_bad_env_mix_is_one_clear_error(mix, words):
 
 def test_env_mix_and_its_tiny_tokenizer():
     c = bandit.get_config("tiny")
-    assert training.env_mix(c) == (("Bandit", 8),)
+    assert run_config.env_mix(c) == (("Bandit", 8),)
     mixed = with_mix(c, " Bandit:6, FrozenLake:2 ")
-    assert training.env_mix(mixed) == (("Bandit", 6), ("FrozenLake", 2))
+    assert run_config.env_mix(mixed) == (("Bandit", 6), ("FrozenLake", 2))
     # the tiny tokenizer learns every env's dialogue: the mix's other envs come after the rest
-    plain, corpus = (training.tiny_tokenizer_args(x)[0] for x in (c, mixed))
+    plain, corpus = (run_config.tiny_tokenizer_args(x)[0] for x in (c, mixed))
     assert corpus[:len(plain)] == plain and "Left</answer>" not in plain
     assert "Left</answer>" in corpus
     # a run saved before the knob existed resumes (it had no mix)
-    saved = training.config_json(c).replace('"mix": "", ', "")
+    saved = harness.config_json(c).replace('"mix": "", ', "")
     assert '"mix"' not in saved
-    training.check_resumable(saved, c)
+    harness.check_resumable(saved, c)
 
 
 def run_cli(*args, cwd=ROOT):
@@ -158,15 +158,15 @@ def test_a_run_saved_before_a_key_was_added_still_resumes():
     import json
 
     c = bandit.get_config("tiny")
-    saved = json.loads(training.config_json(c))
+    saved = json.loads(harness.config_json(c))
     del saved["env"]["mix"]
     del saved["algorithm"]["lr_decay_steps"], saved["algorithm"]["min_lr_ratio"]
-    training.check_resumable(json.dumps(saved), c)
+    harness.check_resumable(json.dumps(saved), c)
     other = c.copy_and_resolve_references()
     other.unlock()
     other.algorithm.lr_decay_steps = 100
     with pytest.raises(ValueError, match="algorithm.lr_decay_steps"):
-        training.check_resumable(json.dumps(saved), other)
+        harness.check_resumable(json.dumps(saved), other)
 
 
 def test_a_gpu_variant_on_a_machine_without_one_says_so_in_one_line(capsys):

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from configs import bandit
-from starpo import checkpoint, config_check, lora, memory, metrics, training, weights
+from starpo import checkpoint, config_check, experiment, lora, memory, metrics, run_config
+from starpo import training, weights
 from starpo import model as model_lib
 from starpo import update as update_lib
 from tests.test_training import comparable, val_series, with_changes
@@ -122,7 +123,7 @@ def test_gradients_reach_only_the_adapters_and_the_value_head(base):
 @pytest.fixture(scope="module")
 def lora_run():
     config = bandit.get_config("tiny+lora")
-    return config, training.build(config)
+    return config, experiment.build(config)
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +137,12 @@ def lora_trained(lora_run, tmp_path_factory):
 def test_a_lora_step_trains_the_adapters_and_shares_the_frozen_base(lora_run):
     config, exp = lora_run
     assert exp.policy.cfg.lora_rank == 64 and "lm_head" in exp.policy.cfg.lora_targets
-    state = training.initial_train_state(exp)
+    state = experiment.initial_train_state(exp)
     _, frozen = lora.split(exp.policy.params)
     before = {k: np.asarray(x) for k, x in leaves_by_path(frozen).items()}
     # one buffer of the base serves the policy, the actor's state and a critic copy's
     assert state.critic_params is None  # the tiny Bandit runs GRPO: the critic built aside
-    critic_cfg, critic = training.critic_params_from(
+    critic_cfg, critic = experiment.critic_params_from(
         with_changes(config, algorithm__adv_estimator="gae"), exp.policy)
     assert critic_cfg.value_head and critic_cfg.lora_rank == 64
     assert set(lora.split(critic)[0]) == set(lora.split(exp.policy.params)[0]) | {"value_head"}
@@ -202,7 +203,7 @@ def test_export_merges_the_adapters_and_eval_reads_the_adapter_checkpoint(lora_t
     p = subprocess.run([sys.executable, "launch/export.py", f"--checkpoint={lora_trained}",
                         f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    _, policy, _ = training.load_run(lora_trained)
+    _, policy, _ = experiment.load_run(lora_trained)
     assert policy.cfg.lora_rank == 64 and policy.cfg.tie_embeddings
     loaded = weights.load_model(out)
     assert loaded.cfg.lora_rank == 0 and not lora.has_adapters(loaded.params)
@@ -251,7 +252,7 @@ def test_the_memory_plan_counts_a_shared_bfloat16_base_and_float32_adapters():
 ])
 def test_bad_lora_settings_fail_in_one_line(change, message):
     config = with_changes(bandit.get_config("tiny"), **change)
-    with pytest.raises(config_check.ConfigError) as e:
+    with pytest.raises(run_config.ConfigError) as e:
         config_check.check(config)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
@@ -268,7 +269,7 @@ def test_the_cli_refuses_a_bad_rank_before_any_work(tmp_path):
 
 def test_state_split_and_join_round_trip(lora_run):
     _, exp = lora_run
-    state = jax.eval_shape(lambda: training.initial_train_state(exp))
+    state = jax.eval_shape(lambda: experiment.initial_train_state(exp))
     trainable, frozen = update_lib.split_state(state)
     assert not lora.has_adapters(frozen[0]) and lora.has_adapters(trainable.actor_params)
     assert jax.tree_util.tree_structure(update_lib.join_state(trainable, frozen)) == \

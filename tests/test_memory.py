@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs import bandit
-from starpo import memory, training
+from starpo import experiment, harness, memory
 from tests.test_training import with_changes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +28,7 @@ def compiled_peaks(exp) -> dict:
                 - m.alias_size_in_bytes - donated)
 
     with jax.set_mesh(exp.mesh):
-        state = jax.eval_shape(lambda: training.initial_train_state(exp))
+        state = jax.eval_shape(lambda: experiment.initial_train_state(exp))
         env_state, group_id = jax.eval_shape(exp.initial_states, jax.random.key(0), jnp.int32(0))
         args = (state.actor_params, jax.random.key(0), env_state, group_id, jnp.float32(1.0))
         rollout = exp.run_rollout.lower(*args).compile()
@@ -48,8 +48,8 @@ def test_the_plan_is_within_a_quarter_of_what_xla_reserves(variant):
     LoRA, a frozen base the state shares and adapters with their moments."""
     config = with_changes(bandit.get_config(variant), rollout__max_context=512,
                           algorithm__micro_batch_size=16, trainer__fast_compile=True)
-    exp = training.build(config)
-    phases = {p.name: p.total for p in training.memory_plan(exp, log=lambda *a: None)}
+    exp = experiment.build(config)
+    phases = {p.name: p.total for p in harness.memory_plan(exp, log=lambda *a: None)}
     measured = compiled_peaks(exp)
     for name in ("rollout", "update"):
         ratio = phases[name] / measured[name]

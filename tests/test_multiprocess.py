@@ -197,10 +197,10 @@ def test_two_processes_train_as_one(tmp_path, reference):
     # (seen); a lost or misplaced shard would be off by the weights' own scale (~1e-2)
     import jax
 
-    from starpo import training
+    from starpo import experiment
 
-    _, a, step_a = training.load_run(str(reference), step=4)
-    _, b, step_b = training.load_run(str(multi))
+    _, a, step_a = experiment.load_run(str(reference), step=4)
+    _, b, step_b = experiment.load_run(str(multi))
     assert step_a == step_b == 4
     for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=0, atol=2e-4)

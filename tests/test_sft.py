@@ -18,7 +18,8 @@ import pytest
 
 import envs
 from configs import frozenlake, sokoban
-from starpo import checkpoint, config_check, demos, metrics, rollout, sft, training
+from starpo import checkpoint, config_check, demos, experiment, harness, metrics, rollout
+from starpo import run_config, sft, training
 from starpo import model as model_lib
 from tests.test_training import with_changes
 
@@ -58,7 +59,7 @@ def lake_distance(rows, start):
 @pytest.fixture(scope="module")
 def lake():
     config = frozenlake.get_config("tiny")
-    return config, training.load_policy(config)
+    return config, experiment.load_policy(config)
 
 
 def test_lake_demonstrations_walk_a_shortest_path(lake):
@@ -66,8 +67,8 @@ def test_lake_demonstrations_walk_a_shortest_path(lake):
     move along a shortest hole-free path (the text BFS's distance falls by one each move),
     and the episode succeeds exactly when that distance is within the 5 turns."""
     config, policy = lake
-    env = training.make_env(config, config.env.name)
-    spec = training.rollout_spec(config)
+    env = run_config.make_env(config, config.env.name)
+    spec = run_config.rollout_spec(config)
     play = demos.make_demo_rollout(env, policy.tokenizer, spec)
     states, _ = rollout.initial_states(env, jax.random.key(0), 0, rollout.TRAIN, 96, 1)
     traj, _, weight = jax.device_get(play(states, jax.random.key(1)))
@@ -149,7 +150,7 @@ def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path, capfd):
     config, policy = lake
     config = with_changes(config, sft__steps=24, sft__lr=3e-3, sft__test_freq=24,
                           sft__save_freq=0, trainer__total_steps=0)
-    exp = training.build(config, policy)
+    exp = experiment.build(config, policy)
     quiet = lambda *a, **k: None  # noqa: E731
     straight = str(tmp_path / "straight")
     capfd.readouterr()
@@ -192,7 +193,7 @@ def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path, capfd):
     # model.init_from: another run starts from the SFT run's last weights
     later = with_changes(config, sft__steps=0, model__init_from=straight)
     config_check.check(later)
-    got = training.load_policy(later).params
+    got = experiment.load_policy(later).params
     want = checkpoint.load_params(os.path.join(straight, "checkpoints"), 24)
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
 
@@ -201,11 +202,11 @@ def test_bad_sft_configs_fail_at_start(lake, tmp_path):
     config, _ = lake
     other = tmp_path / "other"
     (other / "checkpoints").mkdir(parents=True)
-    (other / "config.json").write_text(training.config_json(with_changes(
+    (other / "config.json").write_text(harness.config_json(with_changes(
         config, model__path="tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64")))
-    with pytest.raises(config_check.ConfigError, match="holds a run of model 'tiny:layers=1"):
+    with pytest.raises(run_config.ConfigError, match="holds a run of model 'tiny:layers=1"):
         config_check.check(with_changes(config, model__init_from=str(other)))
-    with pytest.raises(config_check.ConfigError, match="model.init_from: .* is not a training"):
+    with pytest.raises(run_config.ConfigError, match="model.init_from: .* is not a training"):
         config_check.check(with_changes(config, model__init_from=str(tmp_path / "none")))
     bad = [
         (dict(sft__steps=1, sft__env_groups=48), "sft.env_groups 48 is not a multiple"),
@@ -213,21 +214,21 @@ def test_bad_sft_configs_fail_at_start(lake, tmp_path):
         (dict(sft__steps=-1), "sft.steps must be"),
     ]
     for changes, message in bad:
-        with pytest.raises(config_check.ConfigError, match=message):
+        with pytest.raises(run_config.ConfigError, match=message):
             config_check.check(with_changes(config, **changes))
     three = with_changes(sokoban.get_config("tiny"), sft__steps=1, env__options__num_boxes=3)
-    with pytest.raises(config_check.ConfigError, match="sft: no solver for 'SimpleSokoban'"):
+    with pytest.raises(run_config.ConfigError, match="sft: no solver for 'SimpleSokoban'"):
         config_check.check(three)
     mixed = with_changes(config, sft__steps=1, env__mix="FrozenLake:128")
     with pytest.raises(ValueError, match="sft"):
         config_check.check(mixed)
-    with pytest.raises(config_check.ConfigError, match="sft.steps must be > 0"):
+    with pytest.raises(run_config.ConfigError, match="sft.steps must be > 0"):
         sft.train_only(config, "/nonexistent/never-written")
     # a reply that cannot fit the reply budget: two moves where the tiny config allows one token
     with pytest.raises(ValueError, match="does not fit rollout.response_length=1"):
-        demos.make_demo_rollout(training.make_env(config, "FrozenLake"),
-                                training.load_policy(config).tokenizer,
-                                training.rollout_spec(config), actions_per_turn=2)
+        demos.make_demo_rollout(run_config.make_env(config, "FrozenLake"),
+                                experiment.load_policy(config).tokenizer,
+                                run_config.rollout_spec(config), actions_per_turn=2)
 
 
 def test_held_out_demonstrations_are_scored_token_by_token(lake):
@@ -236,20 +237,20 @@ def test_held_out_demonstrations_are_scored_token_by_token(lake):
     every reply token is the logits' argmax, weighted by the rows' weights."""
     config, policy = lake
     config = with_changes(config, algorithm__logit_chunk_size=8, algorithm__micro_batch_size=4)
-    env = training.make_env(config, config.env.name)
-    play = demos.make_demo_rollout(env, policy.tokenizer, training.rollout_spec(config))
+    env = run_config.make_env(config, config.env.name)
+    play = demos.make_demo_rollout(env, policy.tokenizer, run_config.rollout_spec(config))
     states, _ = rollout.initial_states(env, jax.random.key(0), 0, rollout.TRAIN, 6, 1)
     traj, _, _ = play(states, jax.random.key(1))
     weight = np.asarray([1.0, 0.0, 1.0, 1.0, 0.5, 1.0], np.float32)
     # a half-trained model, so that some replies are right and some are not
     trained = with_changes(config, sft__steps=1, sft__lr=3e-3)
-    exp = training.build(trained, policy)
+    exp = experiment.build(trained, policy)
     phase = sft.build(trained, exp)
     state = phase.init(policy.params)
     for step in range(3):
         state, _ = sft.train_step(phase, exp, state, step)
     params = state.actor_params
-    got = np.asarray(sft.make_scorer(sft.sft_algo(config), policy.cfg)(params, traj, weight))
+    got = np.asarray(sft.make_scorer(run_config.sft_algo(config), policy.cfg)(params, traj, weight))
 
     logits, _ = model_lib.forward(params, policy.cfg, traj.tokens, traj.valid)
     logits, traj = np.asarray(logits, np.float64), jax.device_get(traj)
@@ -285,8 +286,8 @@ def test_sft_step_is_the_weighted_mean_nll_of_reply_tokens():
     traj = synthetic_trajectory(3)
     B = traj.tokens.shape[0]
     weight = np.array([1, 1, 0, 1, 0, 1, 1, 1], np.float32)[:B]
-    algo = UP.AlgoConfig(adv_estimator="grpo", group_size=2, micro_batch_size=2,
-                         ppo_mini_batch_size=2, actor_lr=1e-2, logit_chunk_size=5)
+    algo = run_config.AlgoConfig(adv_estimator="grpo", group_size=2, micro_batch_size=2,
+                                 ppo_mini_batch_size=2, actor_lr=1e-2, logit_chunk_size=5)
     params = random_params(CFG, 4)
     tokens, mask, length = (np.asarray(x) for x in (traj.tokens, traj.loss_mask, traj.length))
 

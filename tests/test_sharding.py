@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from starpo import model as M
+from starpo import run_config as RC
 from starpo import sharding
 from starpo import update as UP
 from tests import fake_devices
@@ -86,7 +87,7 @@ def test_optimizer_moments_follow_their_weights():
     cfg = M.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_dim=8, intermediate_size=64)
     mesh = abstract_mesh(1, 2, 2)
-    tx = UP.make_optimizer(1e-3, UP.AlgoConfig())
+    tx = UP.make_optimizer(1e-3, RC.AlgoConfig())
     opt = jax.eval_shape(tx.init, M.abstract_params(cfg))
     out = jax.tree_util.tree_map(lambda s: s.spec, sharding.optimizer_shardings(
         tx, opt, M.param_shardings(cfg, mesh), mesh))

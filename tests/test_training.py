@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from configs import bandit
-from starpo import checkpoint, metrics, training, weights
+from starpo import checkpoint, experiment, metrics, training, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +46,7 @@ def val_series(workdir, name):
 @pytest.fixture(scope="module")
 def bandit_run():
     config = bandit.get_config("tiny")
-    return config, training.build(config)
+    return config, experiment.build(config)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_export_and_eval_of_a_trained_run(bandit_trained, tmp_path):
     p = subprocess.run([sys.executable, "launch/export.py", f"--checkpoint={bandit_trained}",
                         f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    config, policy, step = training.load_run(bandit_trained)
+    config, policy, step = experiment.load_run(bandit_trained)
     loaded = weights.load_model(out)
     assert loaded.cfg.vocab_size == policy.cfg.vocab_size
     jax.tree_util.tree_map(np.testing.assert_array_equal, loaded.params, policy.params)
@@ -250,7 +250,7 @@ def test_a_kl_loss_is_measured_against_the_starting_policy(tmp_path):
                           algorithm__kl_loss_coef=0.01, algorithm__kl_loss_type="low_var_kl",
                           trainer__total_steps=3, trainer__save_freq=2,
                           val__before_train=False, val__test_freq=0)
-    exp = training.build(config)
+    exp = experiment.build(config)
     quiet = lambda *a: None  # noqa: E731
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     training.train(config, straight, progress=False, experiment=exp, log=quiet)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from starpo import model as M
+from starpo import run_config as RC
 from starpo import update as UP
 from starpo.trajectory import Trajectory, check_trajectory, trimmed_length
 
@@ -25,12 +26,12 @@ GROUPS, GROUP_SIZE, T, MAX_TURN = 4, 2, 20, 3
 
 # GRPO: 2 of 4 groups kept -> 4 rows, one mini-batch of 4 in 2 micro-batches, k = 2 updates,
 # sampled at temperature 0.8.
-GRPO = UP.AlgoConfig(adv_estimator="grpo", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
+GRPO = RC.AlgoConfig(adv_estimator="grpo", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
                      ppo_mini_batch_size=4, micro_batch_size=2, online_k=2, entropy_coeff=0.0,
                      loss_agg_mode="seq-mean-token-mean", actor_lr=1e-3, temperature=0.8)
 # PPO with a critic: mini-batches of 2 rows in micro-batches of 1, k = 3 updates (more than the
 # 2 mini-batches of one epoch), one batch of critic warm-up.
-PPO = UP.AlgoConfig(adv_estimator="gae", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
+PPO = RC.AlgoConfig(adv_estimator="gae", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
                     ppo_mini_batch_size=2, micro_batch_size=1, online_k=3, critic_warmup=1,
                     actor_lr=1e-3, critic_lr=1e-2)
 
@@ -148,15 +149,15 @@ def test_trajectory_contract_checks(traj):
 
 def test_config_validates_names_and_counts_updates():
     with pytest.raises(ValueError, match="adv_estimator"):
-        UP.AlgoConfig(adv_estimator="ppo")
+        RC.AlgoConfig(adv_estimator="ppo")
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        UP.AlgoConfig(loss_agg_mode="mean")
+        RC.AlgoConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="micro_batch_size"):
-        UP.AlgoConfig(ppo_mini_batch_size=6, micro_batch_size=4)
-    assert UP.num_updates(UP.AlgoConfig(), 32) == (32, 1)  # the reference: k = 1
-    assert UP.num_updates(UP.AlgoConfig(ppo_epochs=2, ppo_mini_batch_size=8), 32) == (8, 8)
-    assert UP.num_updates(UP.AlgoConfig(online_k=5, ppo_mini_batch_size=8), 32) == (8, 5)
-    assert UP.num_updates(UP.AlgoConfig(ppo_mini_batch_size=64), 16) == (16, 1)
+        RC.AlgoConfig(ppo_mini_batch_size=6, micro_batch_size=4)
+    assert UP.num_updates(RC.AlgoConfig(), 32) == (32, 1)  # the reference: k = 1
+    assert UP.num_updates(RC.AlgoConfig(ppo_epochs=2, ppo_mini_batch_size=8), 32) == (8, 8)
+    assert UP.num_updates(RC.AlgoConfig(online_k=5, ppo_mini_batch_size=8), 32) == (8, 5)
+    assert UP.num_updates(RC.AlgoConfig(ppo_mini_batch_size=64), 16) == (16, 1)
     with pytest.raises(ValueError, match="critic"):
         UP.init_train_state(PPO, {})
 
@@ -375,7 +376,7 @@ def test_lr_schedule_warmup_then_cosine_decay():
     g = UP.lr_schedule(2.0, warmup_steps=0)
     assert [float(g(c)) for c in (0, 100)] == [2.0, 2.0]
     with pytest.raises(ValueError, match="min_lr_ratio"):
-        UP.AlgoConfig(min_lr_ratio=1.5)
+        RC.AlgoConfig(min_lr_ratio=1.5)
 
 
 # ----------------------------------------------------------------------------- top-p, GiGPO
@@ -446,7 +447,7 @@ def test_kept_minibatch_order_is_ragen2s_adjusted_batch(kept_groups, group_size,
     for g in kept_groups:
         keep[g * group_size:(g + 1) * group_size] = True
     kept_rows = np.flatnonzero(keep)
-    algo = UP.AlgoConfig(adv_estimator="grpo", group_size=group_size, ppo_mini_batch_size=mini,
+    algo = RC.AlgoConfig(adv_estimator="grpo", group_size=group_size, ppo_mini_batch_size=mini,
                          micro_batch_size=mini, ppo_epochs=epochs)
     order, real = jax.jit(UP.kept_minibatch_order, static_argnums=(0, 2))(
         algo, jnp.asarray(keep), G, jax.random.key(3))

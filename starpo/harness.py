@@ -1,0 +1,279 @@
+"""What every phase of a run does around its own steps: the workdir, config.json, the first
+log lines and the memory plan, the SIGTERM stop, checkpoint resumes and the metrics writer.
+
+    resuming = harness.check_workdir(workdir, config)   # reads only: fails before any work
+    with harness.Stop() as stop:                       # SIGTERM / Ctrl-C: finish the step
+        stoppers = harness.asked_to_stop(stop)         # every process stops at the same step
+    harness.raise_if_stopped(stoppers, n, total)       # `Stopped`: the checkpoint is saved
+
+The RL phase (`training.py`) and the SFT phase (`sft.py`) both run through these names, so a
+run of either phase lives in its workdir the same way (and `launch/eval.py`, `launch/chat.py`
+take either: `experiment.load_run`):
+
+    <workdir>/config.json      the run's config (a resumed run must match it)
+    <workdir>/checkpoints/     orbax checkpoints
+    <workdir>/metrics.jsonl    one flat JSON object per logged step
+    <workdir>/tb/              TensorBoard event files
+
+On several hosts every process runs the same steps (and writes its shards of each checkpoint);
+the first one alone prints and writes the config, metrics and samples (`lead_only`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import jax
+
+from starpo import checkpoint as ckpt_lib
+from starpo import lora, memory
+from starpo import metrics as metrics_lib
+from starpo import model as model_lib
+from starpo import sharding, weights
+from starpo.precision import phase_dtypes
+
+# Fields a resumed run may change; any other difference means "this is a different run".
+# A checkpoint restores onto any mesh, so the mesh may change too; the length the update's
+# context is cut to changes only padding; decode windows, the remat policy and the attention
+# kernels change only how the same numbers are computed; the validation chunk size changes
+# only the memory and the validation's sampling stream (its levels stay; training is
+# untouched). rollout.batch_size changes the training samples' stream, so a run resumed with
+# another one is another run.
+RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_checkpoints",
+                     "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
+                     "trainer.rollout_filter_empty_stop_steps", "algorithm.logit_chunk_size",
+                     "val.before_train", "trainer.context_bucket", "rollout.decode_windows",
+                     "model.remat_policy", "model.attention", "mesh.data", "mesh.fsdp",
+                     "mesh.tensor", "mesh.distributed", "mesh.coordinator_address",
+                     "mesh.num_processes", "mesh.process_id", "mesh.init_timeout_s",
+                     "val.batch_size", "trainer.memory_check", "trainer.collapse_mi_freq",
+                     "trainer.collapse_mi_samples", "trainer.collapse_mi_micro_batch",
+                     "trainer.collapse_mi_warn", "mesh.heartbeat_timeout_s", "sft.test_freq",
+                     "trainer.collapse_mi_multi_turn",
+                     "sft.save_freq")
+# Keys added after runs were saved: a run saved without one had the default.
+ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
+              "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
+              "model.attention": "auto", "mesh.coordinator_address": "",
+              "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
+              "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
+              "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10,
+              "model.init_from": "",
+              "rollout.context_window_mode": "full", "rollout.max_context_window": -1,
+              "trainer.collapse_mi_freq": 0, "trainer.collapse_mi_samples": 64,
+              "trainer.collapse_mi_micro_batch": 16, "trainer.collapse_mi_warn": 0.01,
+              "mesh.heartbeat_timeout_s": 60, "algorithm.filter_groups_metric": "score",
+              "algorithm.filter_loss_scaling": "none",
+              "trainer.rollout_filter_empty_stop_steps": 0,
+              "trainer.collapse_mi_multi_turn": False,
+              # GiGPO's episode statistics ran over episodes before; a resumed GiGPO run
+              # takes verl-agent's (over steps) from here on
+              "algorithm.gigpo_episode_over_steps": True}
+
+
+def enable_compilation_cache(directory: str | None = None) -> None:
+    """Keep compiled programs on disk (JAX's persistent cache): a restarted or resumed run skips
+    the minute of compiling a 135M model's rollout and update. JAX's own environment variables
+    (JAX_COMPILATION_CACHE_DIR, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS), where set, win."""
+    directory = (directory or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                 or os.path.join(weights.cache_dir(), "jax"))
+    jax.config.update("jax_compilation_cache_dir", directory)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+
+
+# ----------------------------------------------------------------------------- the workdir
+def config_json(config) -> str:
+    """The config as config.json and every checkpoint hold it (keys sorted)."""
+    return config.to_json_best_effort(sort_keys=True)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resumable(saved_json: str, config) -> None:
+    """A workdir's saved config must equal this one except for RESUMABLE_CHANGES."""
+    saved = {**ADDED_KEYS, **_flat(json.loads(saved_json))}
+    now = _flat(json.loads(config_json(config)))
+    for key in sorted(set(saved) | set(now)):
+        if key in RESUMABLE_CHANGES:
+            continue
+        if saved.get(key, "<absent>") != now.get(key, "<absent>"):
+            raise ValueError(f"the workdir holds a run with {key}={saved.get(key, '<absent>')!r}, "
+                             f"this config has {now.get(key, '<absent>')!r}; use a new --workdir "
+                             f"(changeable on resume: {', '.join(RESUMABLE_CHANGES)})")
+
+
+def check_workdir(workdir: str, config) -> bool:
+    """Whether `workdir` holds a run to resume, checking that it has this config and that the
+    workdir can be created or written. Reads only: nothing is created or written here."""
+    path = os.path.join(workdir, "config.json")
+    resuming = os.path.isfile(path)
+    if resuming:
+        with open(path, encoding="utf-8") as f:
+            check_resumable(f.read(), config)
+    existing = os.path.abspath(workdir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"workdir {workdir} is not writable ({existing} is not a writable "
+                         f"directory)")
+    return resuming
+
+
+def write_config(workdir: str, config) -> None:
+    """<workdir>/config.json, written whole or not at all (a temporary file renamed)."""
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(config_json(config))
+    os.replace(path + ".tmp", path)
+
+
+def open_checkpoints(workdir: str, config) -> ckpt_lib.Checkpointer:
+    """The run's checkpoints/ folder (the workdir created where it is not yet)."""
+    os.makedirs(workdir, exist_ok=True)
+    return ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                 keep=config.trainer.keep_checkpoints)
+
+
+def lead_only(log, progress: bool):
+    """(log, progress) of this process: process 0's own, nothing for the others."""
+    if jax.process_index() == 0:
+        return log, progress
+    return (lambda *a, **k: None), False
+
+
+def metrics_writer(workdir: str, start: int):
+    """The run's metrics.jsonl and TensorBoard writer on process 0 (a resumed run drops what an
+    interrupted one logged after its checkpoint at `start`), a writer of nothing elsewhere."""
+    if jax.process_index() != 0:
+        return metrics_lib.NullWriter()
+    return metrics_lib.MetricsWriter(workdir, resume_step=start if start else -1)
+
+
+def restore_target(abstract, shardings):
+    """A state's shapes and dtypes `abstract` placed as `shardings` say: what a checkpoint
+    restores into."""
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+# ----------------------------------------------------------------------------- the stop
+class Stopped(Exception):
+    """The run stopped early on SIGTERM / Ctrl-C (to any one of its processes) after saving a
+    checkpoint at `.step`; the message is one line. `launch/train.py` exits with status
+    `sharding.EXIT_STOPPED` (75)."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+class Stop:
+    """SIGTERM / Ctrl-C: finish the current step, checkpoint, exit. A second Ctrl-C aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a test runner thread)
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def asked_to_stop(stop: Stop) -> list:
+    """The processes that were asked to stop: every process stops at the same step (each saves
+    its shards of that checkpoint, orbax waits for all), whichever of them got the signal."""
+    return sharding.processes_flagging(stop.requested)
+
+
+def raise_if_stopped(stoppers: list, n: int, total: int, what: str = "step") -> None:
+    """`Stopped` when processes `stoppers` asked to stop (SIGTERM / Ctrl-C) before the last
+    step: every process saved the checkpoint of `what` n."""
+    if stoppers and n < total:
+        who = (f" (on process {', '.join(map(str, stoppers))})" if jax.process_count() > 1
+               else "")
+        raise Stopped(n, f"stopped on request{who}: checkpoint saved at {what} {n} of {total}; "
+                         f"the same command resumes the run")
+
+
+# ----------------------------------------------------------------------------- the first lines
+# `exp` below is an `experiment.Experiment` (a floor above: this module only reads its fields)
+def memory_plan(exp, log=metrics_lib.say) -> list:
+    """Print the estimated peak memory of each phase beside the device's capacity; raise
+    `memory.MemoryPlanError` where one cannot fit (`trainer.memory_check`; else a warning)."""
+    c = exp.config
+    dtypes = phase_dtypes(c)
+    phases = memory.plan(c, exp.policy.cfg, mesh_shape=tuple(exp.mesh.shape.values()),
+                         prompt_tokens=memory.prompt_tokens(exp.rollout),
+                         decode_dtype=dtypes["decode"], update_dtype=dtypes["update"],
+                         contexts=(exp.rollout.context, max(
+                             [vs.rollout.context for vs in exp.val_sets.values()] or [0])),
+                         attention=model_lib.kernels(exp.policy.cfg.replace(
+                             dtype=dtypes["update"])))
+    capacity, where = memory.device_capacity()
+    if jax.process_index() == 0:
+        log(memory.describe(phases, capacity, where))
+    try:
+        memory.check(phases, capacity, where)
+    except memory.MemoryPlanError as e:
+        if c.trainer.get("memory_check", True):
+            raise
+        if jax.process_index() == 0:
+            log(f"warning: {e} (trainer.memory_check=False: going on)")
+    return phases
+
+
+def log_start(exp, build_s: float, log) -> None:
+    """The run's first lines: what was built, on which devices and mesh."""
+    c = exp.config
+    batch_envs = (",".join(f"{t}:{g}" for t, g in exp.mix) if len(exp.mix) > 1
+                  else exp.mix[0][0])
+    cfg = exp.policy.cfg
+    adapters = (f", LoRA rank {cfg.lora_rank}: {lora.num_adapter_params(cfg) / 1e6:.2f}M "
+                f"adapter weights train" if cfg.lora_rank else "")
+    log(f"built in {build_s:.1f} s: {exp.policy.source} "
+        f"({cfg.num_params / 1e6:.1f}M params{adapters}), env {batch_envs}, "
+        f"{c.rollout.env_groups}x{c.rollout.group_size} episodes per step, "
+        f"{jax.devices()[0].platform} x{jax.device_count()} (mesh data x fsdp x tensor = "
+        f"{' x '.join(str(n) for n in exp.mesh.shape.values())}); "
+        f"the first step and validation compile (slow)")
+    unsplit = sharding.describe(model_lib.logical_axes(exp.policy.cfg),
+                                model_lib.abstract_params(exp.policy.cfg), exp.mesh)
+    if unsplit:
+        log(f"sharding: {len(unsplit)} weight dims stay replicated or partly split (sizes not "
+            f"divisible by the mesh), e.g. {unsplit[0]}")
+
+
+def measured_peaks(scalars: dict, planned: dict, say) -> None:
+    """A line per phase for the device's measured peaks in `scalars` (memory/<phase>_peak_gb),
+    beside the plan's estimate: what a GPU run calibrates the plan with."""
+    for phase in ("validation", "rollout", "update"):
+        peak = scalars.get(f"memory/{phase}_peak_gb")
+        if peak is not None:
+            say(memory.describe_peak(phase, peak * memory.GB, planned.get(phase)))
