@@ -23,7 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # One persistent compilation cache for the run, in a fresh directory: the controller makes it
 # before pytest-xdist starts its workers, which inherit the variable (so do the subprocesses the
-# tests start, `starpo.training.enable_compilation_cache` included). A program compiled by one
+# tests start, `starpo.harness.enable_compilation_cache` included). A program compiled by one
 # worker (the tiny configs' rollouts and updates recur across files) is then read from disk by
 # the others instead of compiled again. Fresh per run, so the suite's time never depends on an
 # earlier run; a JAX_COMPILATION_CACHE_DIR of the user's own is used as it is.
