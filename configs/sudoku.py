@@ -44,6 +44,9 @@ def get_config(arg=None):
         # one of the tiny tokenizer's whole tokens
         c.rollout.update(dict(max_turn=2, max_actions_per_traj=4, env_groups=8, group_size=4,
                               response_length=16, max_context=2048))
+        # the tokenizer's vocabulary holds the 729 whole answers `R,C,N</answer>` (the solver's
+        # moves, starpo/dialogue.py `template_strings`): a random model writes a placement
+        c.model.path = c.model.path.replace("vocab=128", "vocab=1024")
         c.val.update(dict(tags="SimpleSudoku", test_freq=5))
         c.trainer.update(dict(total_steps=20, save_freq=10))
     common.apply_presets(c, arg)

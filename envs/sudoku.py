@@ -131,6 +131,114 @@ def count_solutions(puzzle, limit: int = 2) -> tuple[int, np.ndarray | None]:
     return len(found), (found[0] if found else None)
 
 
+# ------------------------------------------------------------ the jittable solver
+# Cell indices (row-major, 0..80) of the 27 units (rows, columns, boxes) and each cell's units.
+_UNITS = np.array([[r * SIZE + c for c in range(SIZE)] for r in range(SIZE)]
+                  + [[r * SIZE + c for r in range(SIZE)] for c in range(SIZE)]
+                  + [[(b // BOX * BOX + i // BOX) * SIZE + b % BOX * BOX + i % BOX
+                      for i in range(SIZE)] for b in range(SIZE)], np.int32)
+_CELL_UNITS = np.array([[r, SIZE + c, 2 * SIZE + r // BOX * BOX + c // BOX]
+                        for r in range(SIZE) for c in range(SIZE)], np.int32)
+SOLVE_GUESSES = 2048  # most guesses of `solve`'s search (generated levels need none or few)
+
+
+def _fits(g):
+    """(cand bool[81, 9]: digit d + 1 fits empty cell i, has bool[27, 9]: unit u holds d + 1,
+    ok bool[]: no unit repeats a digit) of a flat grid int32[81]."""
+    onehot = g[:, None] == jnp.arange(1, SIZE + 1)
+    per_unit = jnp.sum(onehot[_UNITS], axis=1)  # [27, 9]
+    has = per_unit > 0
+    used = jnp.any(has[_CELL_UNITS], axis=1)  # [81, 9]
+    return ~used & (g == 0)[:, None], has, jnp.all(per_unit <= 1)
+
+
+def propagate(g):
+    """Constraint propagation on a flat grid int32[81] (0 empty): naked singles (a cell with
+    one candidate) and hidden singles (a digit with one place left in a row, column or box),
+    filled together each round until a round fills nothing. Returns (grid, ok): ok False on
+    a contradiction (a repeated digit, an empty cell without candidates, a unit with nowhere
+    left for a digit it lacks, a cell forced to two digits). Jittable."""
+    def body(carry):
+        g, _, _ = carry
+        cand, has, ok = _fits(g)
+        places = jnp.sum(cand[_UNITS], axis=1)  # [27, 9]: cells of unit u that can take d
+        ok &= jnp.all((g != 0) | jnp.any(cand, axis=1)) & jnp.all(has | (places > 0))
+        naked = cand & (jnp.sum(cand, axis=1) == 1)[:, None]
+        hidden = cand & jnp.any((places == 1)[_CELL_UNITS], axis=1)
+        forced = naked | hidden
+        ok &= jnp.all(jnp.sum(forced, axis=1) <= 1)
+        fill = jnp.any(forced, axis=1) & ok
+        g = jnp.where(fill, jnp.argmax(forced, axis=1) + 1, g).astype(jnp.int32)
+        return g, ok, jnp.any(fill)
+
+    g, ok, _ = jax.lax.while_loop(lambda c: c[1] & c[2], body,
+                                  (g.astype(jnp.int32), jnp.array(True), jnp.array(True)))
+    return g, ok & _fits(g)[2]
+
+
+def solve(grid):
+    """A completion of `grid` int32[9, 9] (0 empty) by propagation and depth-first search:
+    (solution int32[9, 9], ok bool[]). Each node is propagated (`propagate`); a node left
+    open branches on its empty cell with the fewest candidates, digits in increasing order
+    (the search of `count_solutions`, on device: an explicit stack of at most 81 nodes, each
+    deeper by at least one filled cell). ok False where the grid has no completion, or none
+    was found within SOLVE_GUESSES guesses (solution: the grid). Jittable and vmappable."""
+    n = SIZE * SIZE
+    flat = jnp.asarray(grid, jnp.int32).reshape(n)
+
+    def branch(g):  # (cell with the fewest candidates, its candidates) of an open node
+        cand = _fits(g)[0]
+        count = jnp.where(g == 0, jnp.sum(cand, axis=1), SIZE + 1)
+        cell = jnp.argmin(count)
+        return cell, cand[cell]
+
+    g0, ok0 = propagate(flat)
+    full0 = ok0 & jnp.all(g0 != 0)
+    cell0, mask0 = branch(g0)
+    stack = (jnp.zeros((n, n), jnp.int32).at[0].set(g0), jnp.zeros(n, jnp.int32).at[0].set(cell0),
+             jnp.zeros((n, SIZE), bool).at[0].set(mask0))
+    top0 = jnp.where(ok0 & ~full0, 0, -1)
+
+    def more(c):
+        top, found, guesses = c[1], c[2], c[3]
+        return (top >= 0) & ~found & (guesses < SOLVE_GUESSES)
+
+    def step(c):
+        (grids, cells, masks), top, found, guesses, best = c
+        mask = masks[top]
+        empty = ~jnp.any(mask)
+        d = jnp.argmax(mask)  # the smallest untried digit - 1
+        masks = masks.at[top, d].set(False)
+        g, ok = propagate(grids[top].at[cells[top]].set(d + 1))
+        ok &= ~empty
+        full = ok & jnp.all(g != 0)
+        push = ok & ~full & (top + 1 < n)
+        cell, cmask = branch(g)
+        nxt = jnp.minimum(top + 1, n - 1)
+        grids = jnp.where(push, grids.at[nxt].set(g), grids)
+        cells = jnp.where(push, cells.at[nxt].set(cell), cells)
+        masks = jnp.where(push, masks.at[nxt].set(cmask), masks)
+        top = jnp.where(empty, top - 1, jnp.where(push, top + 1, top))
+        return ((grids, cells, masks), top, full, guesses + ~empty, jnp.where(full, g, best))
+
+    _, _, found, _, best = jax.lax.while_loop(
+        more, step, (stack, top0, full0, jnp.zeros((), jnp.int32), jnp.where(full0, g0, flat)))
+    return best.reshape(SIZE, SIZE), found
+
+
+def next_placements(grid, max_moves: int):
+    """(cells int32[max_moves] (flat 0-based), digits int32[max_moves] (1..9), n int32[]): up
+    to `max_moves` placements of a completion of `grid` found by `solve`, the empty cells
+    with the fewest candidates first (a naked single before a cell that needed the search;
+    ties in reading order); n = 0 where `solve` finds none. Jittable."""
+    solution, ok = solve(grid)
+    flat = jnp.asarray(grid, jnp.int32).reshape(-1)
+    count = jnp.sum(_fits(flat)[0], axis=1)
+    order = jnp.argsort(jnp.where(flat == 0, count, SIZE + 1), stable=True)[:max_moves]
+    n = jnp.where(ok, jnp.minimum(jnp.sum(flat == 0), max_moves), 0).astype(jnp.int32)
+    return order.astype(jnp.int32), solution.reshape(-1)[order], n
+
+
 # ======================================================================= the env
 # The reference's env_instruction (config/envs.yaml, SimpleSudoku / MediumSudoku: a YAML block,
 # so it ends with a newline).
@@ -306,6 +414,10 @@ class Sudoku:
     legend = ""
     symbols = ()
     action_names = ()  # no action lookup: every parsed answer is an action
+    # the answers the solver writes (envs/solvers.py `next_moves`): placement (r, c, n), all
+    # 1-based, is move ((r - 1) * 9 + c - 1) * 9 + n - 1, `r,c,n` in the reference's format
+    move_names = tuple(f"{r},{c},{n}" for r in range(1, SIZE + 1) for c in range(1, SIZE + 1)
+                       for n in range(1, SIZE + 1))
     text_actions = True  # step takes the answer's bytes
     num_actions = 0
 
