@@ -404,3 +404,8 @@ def solve(nums, target) -> str | None:
     if found is not None and found.startswith("(") and len(nums) > 1:
         found = found[1:-1]  # the outermost parentheses (one top-level operation)
     return found
+
+
+# envs.make(name): RAGEN-2's Countdown, 3 or 4 numbers (its dataset is Countdown-Tasks-3to4),
+# one answer
+VARIANTS = {"Countdown": (Countdown, dict(min_count=3, max_count=4, min_number=1, max_number=99))}

@@ -593,6 +593,27 @@ def _host_valid(grid, r, c) -> list:
     return sorted(set(range(1, SIZE + 1)) - used)
 
 
+_REFERENCE_PATTERNS = (r"place\s+(\d+)\s+at\s+row\s+(\d+)\s+col\s+(\d+)",
+                       r"place\s+(\d+)\s+at\s+\((\d+),\s*(\d+)\)",
+                       r"place\s+(\d+)\s+at\s+(\d+),\s*(\d+)", r"(\d+)\s+at\s+(\d+),\s*(\d+)",
+                       r"\((\d+),\s*(\d+),\s*(\d+)\)", r"(\d+),\s*(\d+),\s*(\d+)")
+
+
+def reference_parse(action: str):
+    """Host: the reference's `SudokuEnv.parse_action` (ragen/env/sudoku/env.py), its matching
+    part, with Python's `re`: (matched, num, row, col) before the range checks."""
+    action = action.strip().lower()
+    for pattern in _REFERENCE_PATTERNS:
+        m = re.search(pattern, action)
+        if m:
+            if "place" in action or "at" in action:
+                num, row, col = map(int, m.groups())
+            else:
+                row, col, num = map(int, m.groups())
+            return True, num, row, col
+    return False, None, None, None
+
+
 def answer_bytes(text: str, width: int | None = None) -> np.ndarray:
     """Host helper: a string as int32 bytes padded with PAD to `width` (default its length)."""
     raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
@@ -600,3 +621,11 @@ def answer_bytes(text: str, width: int | None = None) -> np.ndarray:
     if len(raw) > width:
         raise ValueError(f"answer of {len(raw)} bytes does not fit width {width}")
     return np.pad(raw, (0, width - len(raw)), constant_values=PAD)
+
+
+# envs.make(name): RAGEN-2's Sudoku (tags SimpleSudoku / MediumSudoku), 32 or 40 blanks (its
+# easy / medium), 81 env steps, 20 or 30 actions an episode
+VARIANTS = {
+    "SimpleSudoku": (Sudoku, dict(blanks=BLANKS["easy"], max_steps=81, max_actions=20)),
+    "MediumSudoku": (Sudoku, dict(blanks=BLANKS["medium"], max_steps=81, max_actions=30)),
+}

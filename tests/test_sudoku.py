@@ -225,23 +225,7 @@ def test_bad_blank_counts_are_one_line_errors(blanks):
 
 
 # ------------------------------------------------------------------ against the reference
-def _reference_parse(action):
-    """The reference's `SudokuEnv.parse_action` (ragen/env/sudoku/env.py), its matching part:
-    (matched, num, row, col) before the range checks."""
-    action = action.strip().lower()
-    patterns = [r'place\s+(\d+)\s+at\s+row\s+(\d+)\s+col\s+(\d+)',
-                r'place\s+(\d+)\s+at\s+\((\d+),\s*(\d+)\)', r'place\s+(\d+)\s+at\s+(\d+),\s*(\d+)',
-                r'(\d+)\s+at\s+(\d+),\s*(\d+)', r'\((\d+),\s*(\d+),\s*(\d+)\)',
-                r'(\d+),\s*(\d+),\s*(\d+)']
-    for pattern in patterns:
-        m = re.search(pattern, action)
-        if m:
-            if "place" in action or "at" in action:
-                num, row, col = map(int, m.groups())
-            else:
-                row, col, num = map(int, m.groups())
-            return True, num, row, col
-    return False, None, None, None
+_reference_parse = sudoku.reference_parse  # the reference's regexes, with Python's `re`
 
 
 @functools.lru_cache(maxsize=None)
