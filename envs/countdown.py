@@ -42,6 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text_actions
+from envs.text_actions import PAD, answer_bytes  # noqa: F401 (the env's own names)
+
 # The reference's env_instruction (config/envs.yaml, tag Countdown).
 INSTRUCTION = (
     "You are solving the Countdown puzzle. You should use the num list to create an equation "
@@ -54,7 +57,6 @@ RESULT_TEMPLATE = "Your answer get {reward} points."
 TOLERANCE = 100_000  # correct iff |value - target| < 1 / TOLERANCE (the reference's 1e-5)
 MAX_DEPTH = 16  # most nested parentheses the evaluator follows
 SIGN_TRIES = 16
-PAD = -1
 _BIG = 10 ** 9  # digit runs saturate here (never a level's number)
 
 
@@ -75,7 +77,7 @@ class CountdownState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Countdown:
+class Countdown(text_actions.TextActionEnv):
     """Static settings (hashable: usable as a jit static argument).
 
     min_count / max_count: how many numbers a level has (uniform); min_number / max_number:
@@ -90,11 +92,6 @@ class Countdown:
     format_score: float = 0.1
 
     instruction = INSTRUCTION
-    legend = ""
-    symbols = ()
-    action_names = ()  # no action lookup: every parsed answer is an action
-    text_actions = True  # step takes the answer's bytes
-    num_actions = 0
 
     def __post_init__(self):
         ints = ("min_count", "max_count", "min_number", "max_number")
@@ -160,8 +157,6 @@ class Countdown:
         """bool[]: the answer has been given."""
         return state.answered
 
-    def name_to_action(self, state, index):
-        raise ValueError("Countdown actions are text: step takes the answer's bytes")
 
     # ----------------------------------------------------------- host text
     def to_text(self, state):
@@ -336,15 +331,6 @@ def check_answer(x, nums, count, target):
     aq = jnp.abs(q)
     correct = ok & (q != 0) & near & (dist <= (aq - 1) // TOLERANCE)
     return fmt, correct
-
-
-def answer_bytes(text: str, width: int | None = None) -> np.ndarray:
-    """Host helper: a string as int32 bytes padded with PAD to `width` (default its length)."""
-    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    width = len(raw) if width is None else width
-    if len(raw) > width:
-        raise ValueError(f"answer of {len(raw)} bytes does not fit width {width}")
-    return np.pad(raw, (0, width - len(raw)), constant_values=PAD)
 
 
 # ----------------------------------------------------------------------- the reference, on host

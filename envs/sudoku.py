@@ -41,6 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text_actions
+from envs.text_actions import PAD, answer_bytes  # noqa: F401 (the env's own names)
+
 SIZE, BOX = 9, 3
 BLANKS = {"easy": int(SIZE * SIZE * 0.4), "medium": int(SIZE * SIZE * 0.5),
           "hard": int(SIZE * SIZE * 0.6)}  # the reference's cells_to_remove
@@ -252,7 +255,6 @@ INSTRUCTION = (
     "The environment will provide feedback on valid/invalid moves and show conflicts if any "
     "occur.\n"
 )
-PAD = -1
 ECHO = 64  # bytes of an unparsable answer the feedback echoes
 SAT = 999_999_999  # digit runs saturate here
 BANNER = "=" * 50
@@ -393,7 +395,7 @@ def is_solved_grid(grid):
 
 
 @dataclasses.dataclass(frozen=True)
-class Sudoku:
+class Sudoku(text_actions.TextActionEnv):
     """Static settings (hashable: usable as a jit static argument).
 
     blanks: cells blanked per level (the reference's 32 easy, 40 medium); max_steps: the
@@ -411,15 +413,10 @@ class Sudoku:
     completion_bonus: float = 10.0
 
     instruction = INSTRUCTION
-    legend = ""
-    symbols = ()
-    action_names = ()  # no action lookup: every parsed answer is an action
     # the answers the solver writes (envs/solvers.py `next_moves`): placement (r, c, n), all
     # 1-based, is move ((r - 1) * 9 + c - 1) * 9 + n - 1, `r,c,n` in the reference's format
     move_names = tuple(f"{r},{c},{n}" for r in range(1, SIZE + 1) for c in range(1, SIZE + 1)
                        for n in range(1, SIZE + 1))
-    text_actions = True  # step takes the answer's bytes
-    num_actions = 0
 
     def __post_init__(self):
         check_blanks(self.blanks)
@@ -487,9 +484,6 @@ class Sudoku:
 
     def is_done(self, state):
         return state.done
-
-    def name_to_action(self, state, index):
-        raise ValueError("Sudoku actions are text: step takes the answer's bytes")
 
     # ----------------------------------------------------------- host text
     def to_text(self, state):
@@ -612,15 +606,6 @@ def reference_parse(action: str):
                 row, col, num = map(int, m.groups())
             return True, num, row, col
     return False, None, None, None
-
-
-def answer_bytes(text: str, width: int | None = None) -> np.ndarray:
-    """Host helper: a string as int32 bytes padded with PAD to `width` (default its length)."""
-    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    width = len(raw) if width is None else width
-    if len(raw) > width:
-        raise ValueError(f"answer of {len(raw)} bytes does not fit width {width}")
-    return np.pad(raw, (0, width - len(raw)), constant_values=PAD)
 
 
 # envs.make(name): RAGEN-2's Sudoku (tags SimpleSudoku / MediumSudoku), 32 or 40 blanks (its
