@@ -192,6 +192,20 @@ def test_the_solver_plays_levels_to_the_end():
     assert np.isin(reward[:, 11], [11.0, 10.5]).all() and (reward[:, 12] == 0).all()
 
 
+def test_sudoku_demonstration_replies_hold_one_placement():
+    """729 placements: two a reply would be a table of 729 + 729 ** 2 rows; the default takes
+    one, an explicit two is a one-line error naming the knob."""
+    from starpo import demos
+
+    env = envs.make("SimpleSudoku")
+    spec = rollout.RolloutSpec(max_turn=5, max_new_tokens=24, max_context=8192)
+    assert demos.moves_per_turn(env, spec) == 1
+    assert demos.moves_per_turn(envs.make("SimpleSokoban"), spec) == 5  # 1,364 rows: as before
+    with pytest.raises(ValueError, match="sft.actions_per_turn=2") as err:
+        demos.moves_per_turn(env, spec, 2)
+    assert "\n" not in str(err.value)
+
+
 def test_sudoku_demonstrations_place_valid_digits(tiny_tokenizer):
     """The SFT path: each demonstration reply is one `R,C,N` answer, replayed here on the
     level's grid (NumPy): an empty cell, a digit its row, column and box allow; levels of 4
