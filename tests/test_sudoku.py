@@ -17,7 +17,7 @@ import pytest
 import envs
 from envs import sudoku
 from envs import text as env_text
-from starpo import rollout, scripted
+from starpo import rollout, sampler, scripted
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "env_fixtures" / "sudoku_golden.json")
                     .read_text(encoding="utf-8"))
@@ -396,10 +396,11 @@ def test_two_turn_dialogue(tiny_tokenizer):
     reply = "ok</think><answer>{} || {}</answer>"
     rows = [[reply.format(steps[0]["action"], steps[1]["action"]),
              reply.format(steps[2]["action"], steps[3]["action"])]]
-    spec = rollout.RolloutSpec(max_turn=2, max_new_tokens=48, max_context=8192, length_prompt=100)
+    spec = rollout.RolloutSpec(max_turn=2, max_new_tokens=96, max_context=8192, length_prompt=100)
     play, _ = rollout.make_scripted_rollout(env, tiny_tokenizer, spec)
     batch = jax.tree_util.tree_map(lambda x: x[None], state)
-    ids, lens, stops = scripted.script_replies(tiny_tokenizer, rows, 2, 48)
+    ids, lens, stops = scripted.script_replies(tiny_tokenizer, rows, 2, 96)
+    assert (stops == sampler.STOP_STRING).all()  # both replies whole
     traj, _, final = play(batch, ids, lens, stops, jax.random.key(0))
     text = tiny_tokenizer.decode(np.asarray(traj.tokens[0, :int(traj.length[0])]).tolist())
     assert steps[1]["text"] in text and steps[3]["text"] not in text
