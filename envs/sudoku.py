@@ -312,9 +312,6 @@ def parse_action(action):
     last = jnp.max(jnp.where(core, pos, -1))
     x = jnp.where(pos <= last - first, x[jnp.clip(pos + first, 0, L - 1)], PAD)
 
-    def at(p):
-        return jnp.where(p < L, x[jnp.clip(p, 0, L - 1)], PAD)
-
     digit = _isdigit(x)
     ws_end = jax.lax.cummin(jnp.where(_isspace(x), L, pos), reverse=True)
     dig_end = jax.lax.cummin(jnp.where(digit, L, pos), reverse=True)
@@ -325,30 +322,43 @@ def parse_action(action):
         return nv, nv
     _, pre = jax.lax.scan(run, jnp.zeros((), jnp.int32), x)
 
-    def ends(p):
-        return jnp.where(p < L, ws_end[jnp.clip(p, 0, L - 1)], L)
+    words = {}
 
+    def starts(word):  # bool[L]: `word` starts at each position (static shifts, no gather)
+        if word not in words:
+            m = jnp.ones((L,), bool)
+            for i, ch in enumerate(word.encode()):
+                m &= jnp.concatenate([x[i:], jnp.full((min(i, L),), PAD, x.dtype)])[:L] == ch
+            words[word] = m
+        return words[word]
+
+    def at(a, p, fill):  # a[p], `fill` past the end; p is None at the start (every position)
+        return a if p is None else jnp.where(p < L, a[jnp.clip(p, 0, L - 1)], fill)
+
+    # Each pattern is matched from every start position at once: p holds where each candidate
+    # match has got to. A run of spaces or digits is taken whole (its end from ws_end /
+    # dig_end), a `+` or a digit run needs one character at least (its end past p).
     found = jnp.zeros((), bool)
     groups = jnp.zeros((3,), jnp.int32)
     for pattern in _PATTERNS:
-        p = pos
+        p = None
         ok = jnp.ones((L,), bool)
         vals = []
         for tok in pattern:
-            if tok == "+":
-                ok &= _isspace(at(p))
-                p = ends(p)
-            elif tok == "*":
-                p = ends(p)
+            here = pos if p is None else p
+            if tok in "+*":
+                e = at(ws_end, p, L)
+                if tok == "+":
+                    ok &= e > here
+                p = e
             elif tok == "d":
-                ok &= _isdigit(at(p))
-                e = jnp.where(p < L, dig_end[jnp.clip(p, 0, L - 1)], L)
+                e = at(dig_end, p, L)
+                ok &= e > here
                 vals.append(pre[jnp.clip(e - 1, 0, L - 1)])
                 p = e
             else:
-                for i, ch in enumerate(tok.encode()):
-                    ok &= at(p + i) == ch
-                p = p + len(tok)
+                ok &= at(starts(tok), p, False)
+                p = here + len(tok)
         hit = jnp.argmax(ok)
         g = jnp.stack([v[hit] for v in vals])
         take = ~found & ok.any()
@@ -356,11 +366,7 @@ def parse_action(action):
         found = found | ok.any()
 
     def contains(word):
-        w = word.encode()
-        m = jnp.ones((L,), bool)
-        for i, ch in enumerate(w):
-            m &= at(pos + i) == ch
-        return m.any()
+        return starts(word).any()
     named = contains("place") | contains("at")
     num = jnp.where(named, groups[0], groups[2])
     row = jnp.where(named, groups[1], groups[0])
