@@ -28,7 +28,11 @@ every later step still runs the evaluator, so the figure is the evaluator's thro
 2048's reference is the reference's own rules in plain Python (`bench_python_2048`: two spawns
 per reset; per step the reference's `_compress_and_merge` slide, a spawn and the end test over
 all four directions, the log reward); JAX steps take random directions, and a finished board
-still costs a full step.
+still costs a full step. Sudoku's reference is the same rules in plain Python
+(`bench_python_sudoku`: a level per reset drawn as `sudoku.generate` draws it; per step the
+reference's six regexes with `re`, the range, initial-cell and conflict checks, the placement
+and its reward, the solved test); both take random placements `R,C,N` (some in the
+`place N at row R col C` form, a few unparsable), and a solved level still costs a full step.
 
 Run from the repository root: `python -m` puts it on the import path.
 """
@@ -48,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import envs
-from envs import countdown, game2048
+from envs import countdown, game2048, sudoku
 
 ALL_BATCHES = (1, 64, 4096)
 ANSWER_WIDTH = 32  # bytes of a Countdown answer in the step timing
@@ -84,8 +88,9 @@ def bench_jax(name, batch, scan, min_seconds):
     rollout = jax.jit(rollout)
     key_sets = [jax.random.split(jax.random.key(i), batch) for i in range(4)]
     rng = np.random.default_rng(0)
-    if getattr(env, "text_actions", False):  # Countdown: answers as bytes [scan, batch, W]
-        pool = np.stack([countdown.answer_bytes(a, ANSWER_WIDTH) for a in _answers(rng, 256)])
+    if getattr(env, "text_actions", False):  # answers as bytes [scan, batch, W]
+        answers = _placements(rng, 256) if isinstance(env, sudoku.Sudoku) else _answers(rng, 256)
+        pool = np.stack([countdown.answer_bytes(a, ANSWER_WIDTH) for a in answers])
         action_sets = [jnp.asarray(pool[rng.integers(0, len(pool), (scan, batch))]) for _ in range(4)]
     else:
         action_sets = [jnp.asarray(rng.integers(1, env.num_actions + 1, (scan, batch)), jnp.int32)
@@ -154,6 +159,18 @@ def _answers(rng, n):
         nums = rng.integers(1, 100, int(rng.integers(3, 5)))
         ops = rng.choice(list("+-*/"), len(nums) - 1)
         out.append(" ".join([str(nums[0])] + [f"{o} {v}" for o, v in zip(ops, nums[1:])]))
+    return out
+
+
+def _placements(rng, n):
+    """n Sudoku answers: random placements, most `R,C,N`, one in 8 `place N at row R col C`,
+    one in 16 unparsable."""
+    out = []
+    for _ in range(n):
+        r, c, d = rng.integers(1, 10, 3)
+        kind = rng.integers(0, 16)
+        out.append("no idea" if kind == 0 else f"place {d} at row {r} col {c}" if kind < 3
+                   else f"{r},{c},{d}")
     return out
 
 
@@ -229,6 +246,66 @@ def bench_python_2048(min_seconds):
 
     return {
         "impl": "plain Python/NumPy: the reference's slide and merge loop, spawn and end test",
+        "resets_per_s": 1 / _timed_loop(new_level, min_seconds),
+        "steps_per_s": 1 / _timed_loop(one_step, min_seconds),
+    }
+
+
+def bench_python_sudoku(min_seconds, blanks=sudoku.BLANKS["easy"]):
+    """The same rules in plain Python, one env at a time: a level per reset (a base grid's
+    digits relabelled, bands, stacks, rows and columns permuted, maybe transposed, then
+    `blanks` cells blanked) and per step the reference's `SudokuEnv.step`: its regexes
+    (`sudoku.reference_parse`), checks, placement, reward and solved test."""
+    import random
+
+    r = random.Random(0)
+    base = sudoku._BASE.tolist()
+
+    def lines():
+        bands = r.sample(range(3), 3)
+        return [3 * b + i for b in bands for i in r.sample(range(3), 3)]
+
+    def new_level():
+        digits = [0] + r.sample(range(1, 10), 9)
+        rows, cols = lines(), lines()
+        grid = [[digits[base[i][j]] for j in cols] for i in rows]
+        if r.random() < 0.5:
+            grid = [list(col) for col in zip(*grid)]
+        puzzle = [row[:] for row in grid]
+        for k in r.sample(range(81), blanks):
+            puzzle[k // 9][k % 9] = 0
+        return {"puzzle": puzzle, "grid": [row[:] for row in puzzle], "solution": grid}
+
+    def fits(grid, i, j, num):
+        b = [grid[i // 3 * 3 + k // 3][j // 3 * 3 + k % 3] for k in range(9)]
+        return num not in grid[i] and num not in [row[j] for row in grid] and num not in b
+
+    def step(state, answer):
+        matched, num, row, col = sudoku.reference_parse(answer)
+        if not matched or not (1 <= row <= 9 and 1 <= col <= 9 and 1 <= num <= 9):
+            return -0.1
+        i, j = row - 1, col - 1
+        if state["puzzle"][i][j] != 0 or not fits(state["grid"], i, j, num):
+            return -0.1
+        state["grid"][i][j] = num
+        reward = 1.0 if num == state["solution"][i][j] else 0.5
+        grid = state["grid"]
+        boxes = [[grid[b // 3 * 3 + k // 3][b % 3 * 3 + k % 3] for k in range(9)]
+                 for b in range(9)]
+        if all(all(row) for row in grid) and all(
+                len(set(u)) == 9 for u in grid + [list(c) for c in zip(*grid)] + boxes):
+            reward += 10.0
+        return reward
+
+    answers = _placements(np.random.default_rng(1), 256)
+    state, i = [new_level()], [0]
+
+    def one_step():
+        i[0] += 1
+        step(state[0], answers[i[0] % 256])
+
+    return {
+        "impl": "plain Python: a level per reset, the reference's regexes, checks and reward per step",
         "resets_per_s": 1 / _timed_loop(new_level, min_seconds),
         "steps_per_s": 1 / _timed_loop(one_step, min_seconds),
     }
@@ -360,6 +437,7 @@ def main():
         "LargerSokoban": lambda: bench_gym_sokoban((8, 8), 2, args.seconds * 4),
         "Countdown": lambda: bench_python_countdown(args.seconds * 2),
         "Game2048": lambda: bench_python_2048(args.seconds * 2),
+        "SimpleSudoku": lambda: bench_python_sudoku(args.seconds * 2),
     }
     for name, run in references.items():
         if name not in names:

@@ -9,10 +9,11 @@ blanks, 30 actions) is `--config.env.name=MediumSudoku --config.val.tags=MediumS
 
 - cpu: the embedded SmolLM2-135M on a 2-core laptop, 3 turns (a smoke-sized run; not yet
   measured).
-- gpu: SmolLM2-135M on one GPU (configs/common.py `gpu`), the reference's 5 turns, without the
-  warm start: the solver is host-side (envs/sudoku.py `count_solutions`), not a jittable one,
-  so there are no demonstrations (sft.steps = 0).
-- tiny: a random-init tiny model, for tests and CPU demos of the plumbing.
+- gpu: SmolLM2-135M on one GPU (configs/common.py `gpu`), the reference's 5 turns, with the
+  SFT warm start on the jittable solver's placements (envs/sudoku.py `solve`: propagation and
+  search; one placement a demonstration reply, starpo/demos.py).
+- tiny: a random-init tiny model, for tests and CPU demos of the plumbing; its tokenizer has
+  the 729 answers `R,C,N</answer>` as whole tokens (a vocabulary of 1024).
 """
 
 from configs import common
@@ -37,13 +38,15 @@ def get_config(arg=None):
     elif v == "gpu":
         common.gpu(c)
         c.rollout.update(dict(max_turn=5, max_context=8192, response_length=150))
-        c.sft.steps = 0  # no jittable solver: no demonstrations
     elif v == "tiny":
         common.tiny(c)
         # the action budget as short as the episode: each "You have N actions left" line is
         # one of the tiny tokenizer's whole tokens
         c.rollout.update(dict(max_turn=2, max_actions_per_traj=4, env_groups=8, group_size=4,
                               response_length=16, max_context=2048))
+        # the tokenizer's vocabulary holds the 729 whole answers `R,C,N</answer>` (the solver's
+        # moves, starpo/dialogue.py `template_strings`): a random model writes a placement
+        c.model.path = c.model.path.replace("vocab=128", "vocab=1024")
         c.val.update(dict(tags="SimpleSudoku", test_freq=5))
         c.trainer.update(dict(total_steps=20, save_freq=10))
     common.apply_presets(c, arg)

@@ -25,35 +25,10 @@ from envs.sokoban import Sokoban, SokobanState, solve
 from envs.sudoku import Sudoku, SudokuState
 from envs.solvers import has_solver, next_moves, optimal_moves, solver_success
 
-# name -> (class, defaults). Options given to `make` override the defaults; generator knobs of
-# the Sokoban variants are tuned so their levels match the reference's difficulty.
-_REGISTRY = {
-    "Bandit": (Bandit, dict(low_arm="Phoenix", high_arm="Dragon")),
-    "BanditTest": (Bandit, dict(low_arm="Trader", high_arm="Librarian")),
-    "FrozenLake": (FrozenLake, dict(size=4, p=0.8, is_slippery=True)),
-    # RAGEN-2's default lake: the same maps, every move goes where it is meant to
-    "FrozenLakeNonSlippery": (FrozenLake, dict(size=4, p=0.8, is_slippery=False)),
-    "SimpleSokoban": (Sokoban, dict(dim_x=6, dim_y=6, num_boxes=1, max_steps=100)),
-    # Short walks, as the reference's search depth of 10 (at most 9 moves). Two boxes then fail
-    # reverse play in 56% of rooms (the reference retries too): 32 rooms make the fallback
-    # level a 1e-8 event.
-    "LargerSokoban": (
-        Sokoban,
-        dict(dim_x=8, dim_y=8, num_boxes=2, max_steps=100, num_rooms=32, num_walks=32, walk_length=9),
-    ),
-    "SokobanDifferentGridVocab": (
-        Sokoban,
-        dict(dim_x=6, dim_y=6, num_boxes=1, max_steps=100, symbols=sokoban.VOCAB_SYMBOLS),
-    ),
-    # RAGEN-2's Countdown: 3 or 4 numbers (its dataset is Countdown-Tasks-3to4), one answer
-    "Countdown": (Countdown, dict(min_count=3, max_count=4, min_number=1, max_number=99)),
-    # RAGEN-2's 2048 (tag game_2048): a 4x4 board, the log reward
-    "Game2048": (Game2048, dict(size=4, two_prob=0.9, use_log_reward=True, invalid_act_score=-0.1)),
-    # RAGEN-2's Sudoku (tags SimpleSudoku / MediumSudoku): 32 or 40 blanks (its easy / medium),
-    # 81 env steps, 20 or 30 actions an episode
-    "SimpleSudoku": (Sudoku, dict(blanks=sudoku.BLANKS["easy"], max_steps=81, max_actions=20)),
-    "MediumSudoku": (Sudoku, dict(blanks=sudoku.BLANKS["medium"], max_steps=81, max_actions=30)),
-}
+# name -> (class, defaults), as each env module declares them (its VARIANTS): a new env is its
+# module, named here once. Options given to `make` override the defaults.
+_MODULES = (bandit, frozenlake, sokoban, countdown, game2048, sudoku)
+_REGISTRY = {name: entry for module in _MODULES for name, entry in module.VARIANTS.items()}
 NAMES = tuple(_REGISTRY)
 
 

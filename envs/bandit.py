@@ -157,3 +157,10 @@ class Bandit:
             f"text is not the prompt of a Bandit with arms {self.action_names} "
             "(only the initial prompt can be loaded)"
         )
+
+
+# envs.make(name): the variants of this env and their default options
+VARIANTS = {
+    "Bandit": (Bandit, dict(low_arm="Phoenix", high_arm="Dragon")),
+    "BanditTest": (Bandit, dict(low_arm="Trader", high_arm="Librarian")),
+}

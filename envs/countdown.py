@@ -42,6 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text_actions
+from envs.text_actions import PAD, answer_bytes  # noqa: F401 (the env's own names)
+
 # The reference's env_instruction (config/envs.yaml, tag Countdown).
 INSTRUCTION = (
     "You are solving the Countdown puzzle. You should use the num list to create an equation "
@@ -54,7 +57,6 @@ RESULT_TEMPLATE = "Your answer get {reward} points."
 TOLERANCE = 100_000  # correct iff |value - target| < 1 / TOLERANCE (the reference's 1e-5)
 MAX_DEPTH = 16  # most nested parentheses the evaluator follows
 SIGN_TRIES = 16
-PAD = -1
 _BIG = 10 ** 9  # digit runs saturate here (never a level's number)
 
 
@@ -75,7 +77,7 @@ class CountdownState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Countdown:
+class Countdown(text_actions.TextActionEnv):
     """Static settings (hashable: usable as a jit static argument).
 
     min_count / max_count: how many numbers a level has (uniform); min_number / max_number:
@@ -90,11 +92,6 @@ class Countdown:
     format_score: float = 0.1
 
     instruction = INSTRUCTION
-    legend = ""
-    symbols = ()
-    action_names = ()  # no action lookup: every parsed answer is an action
-    text_actions = True  # step takes the answer's bytes
-    num_actions = 0
 
     def __post_init__(self):
         ints = ("min_count", "max_count", "min_number", "max_number")
@@ -160,8 +157,6 @@ class Countdown:
         """bool[]: the answer has been given."""
         return state.answered
 
-    def name_to_action(self, state, index):
-        raise ValueError("Countdown actions are text: step takes the answer's bytes")
 
     # ----------------------------------------------------------- host text
     def to_text(self, state):
@@ -338,15 +333,6 @@ def check_answer(x, nums, count, target):
     return fmt, correct
 
 
-def answer_bytes(text: str, width: int | None = None) -> np.ndarray:
-    """Host helper: a string as int32 bytes padded with PAD to `width` (default its length)."""
-    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    width = len(raw) if width is None else width
-    if len(raw) > width:
-        raise ValueError(f"answer of {len(raw)} bytes does not fit width {width}")
-    return np.pad(raw, (0, width - len(raw)), constant_values=PAD)
-
-
 # ----------------------------------------------------------------------- the reference, on host
 def reference_reward(answer: str, nums, target, score=1, format_score=0.1):
     """The reference's `compute_reward` (ragen/env/countdown/env.py), verbatim in logic: for
@@ -404,3 +390,8 @@ def solve(nums, target) -> str | None:
     if found is not None and found.startswith("(") and len(nums) > 1:
         found = found[1:-1]  # the outermost parentheses (one top-level operation)
     return found
+
+
+# envs.make(name): RAGEN-2's Countdown, 3 or 4 numbers (its dataset is Countdown-Tasks-3to4),
+# one answer
+VARIANTS = {"Countdown": (Countdown, dict(min_count=3, max_count=4, min_number=1, max_number=99))}

@@ -243,3 +243,11 @@ class FrozenLake:
         except KeyError as err:
             raise ValueError(f"unknown FrozenLake map character {err.args[0]!r}; known: SFHG") from None
         return self.from_text(text)
+
+
+# envs.make(name): the variants of this env and their default options
+VARIANTS = {
+    "FrozenLake": (FrozenLake, dict(size=4, p=0.8, is_slippery=True)),
+    # RAGEN-2's default lake: the same maps, every move goes where it is meant to
+    "FrozenLakeNonSlippery": (FrozenLake, dict(size=4, p=0.8, is_slippery=False)),
+}

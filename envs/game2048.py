@@ -304,3 +304,8 @@ def reference_move(grid, direction):
             grid[fixed, :] = new_line
         moved_any |= not np.array_equal(before, new_line)
     return grid, reward, moved_any
+
+
+# envs.make(name): RAGEN-2's 2048 (tag game_2048), a 4x4 board, the log reward
+VARIANTS = {"Game2048": (Game2048, dict(size=4, two_prob=0.9, use_log_reward=True,
+                                        invalid_act_score=-0.1))}

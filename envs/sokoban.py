@@ -620,3 +620,21 @@ def solve(state, max_moves=100):
             return -1
         frontier = next_frontier
     return -1
+
+
+# envs.make(name): the variants of this env and their default options. Generator knobs are
+# tuned so that levels match the reference's difficulty.
+VARIANTS = {
+    "SimpleSokoban": (Sokoban, dict(dim_x=6, dim_y=6, num_boxes=1, max_steps=100)),
+    # Short walks, as the reference's search depth of 10 (at most 9 moves). Two boxes then fail
+    # reverse play in 56% of rooms (the reference retries too): 32 rooms make the fallback
+    # level a 1e-8 event.
+    "LargerSokoban": (
+        Sokoban,
+        dict(dim_x=8, dim_y=8, num_boxes=2, max_steps=100, num_rooms=32, num_walks=32, walk_length=9),
+    ),
+    "SokobanDifferentGridVocab": (
+        Sokoban,
+        dict(dim_x=6, dim_y=6, num_boxes=1, max_steps=100, symbols=VOCAB_SYMBOLS),
+    ),
+}

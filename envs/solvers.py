@@ -4,8 +4,9 @@
     has_solver(env), solver_success(env, state)
     optimal_moves(lake, state)                     # FrozenLake: every move an optimal plan may take
 
-`names` are indices into `env.action_names` (turn them into action ids with
-`env.name_to_action(state, names)`: for Bandit the id depends on the arm order). `env` is static:
+`names` are indices into `move_names(env)`: `env.action_names` (turn them into action ids with
+`env.name_to_action(state, names)`: for Bandit the id depends on the arm order), or for an env
+whose actions are text, its `move_names` (the answers its solver writes). `env` is static:
 close over it. Every solver re-plans from the state alone, so a plan can be cut anywhere and
 resumed from the state it led to.
 
@@ -31,6 +32,12 @@ resumed from the state it led to.
   box) on the interior cells (36 ** 3 states for LargerSokoban's 8x8 rooms); more boxes have
   no solver (the states grow as cells ** (boxes + 1)).
 - Bandit: the high-risk arm (mean 0.25 against 0.1, and the env's success), one move.
+- Sudoku: a completion by constraint propagation (naked and hidden singles) and depth-first
+  search (`sudoku.solve`), then up to `max_moves` of its placements, the empty cells with the
+  fewest candidates first (`sudoku.next_placements`). It solves the grid; it does not read the
+  generated solution (a level with several solutions may be completed another way: valid
+  placements, paid half, and the same completion bonus). Actions are text, so the moves are
+  indices into `move_names(env)` (`R,C,N`, the reference's answer format).
 - 2048: a greedy one-step lookahead (`game2048.greedy_move`: the largest merged sum, then the
   most empty cells), one move per call (the spawn is random). Not optimal, and its
   `solver_success` is not a success probability: it is 1 while the game can go on (the policy
@@ -48,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import bandit, frozenlake, game2048, sokoban
+from envs import bandit, frozenlake, game2048, sokoban, sudoku
 
 # Relative slack under which a slippery-lake action counts as maximal (float32 rounding).
 _VALUE_SLACK = 1e-5
@@ -65,7 +72,14 @@ def has_solver(env) -> bool:
     if isinstance(env, sokoban.Sokoban):
         return env.num_boxes == 1 or (
             env.num_boxes == 2 and ((env.dim_x - 2) * (env.dim_y - 2)) ** 3 <= _MAX_SOKOBAN_STATES)
-    return isinstance(env, (frozenlake.FrozenLake, bandit.Bandit, game2048.Game2048))
+    return isinstance(env, (frozenlake.FrozenLake, bandit.Bandit, game2048.Game2048, sudoku.Sudoku))
+
+
+def move_names(env) -> tuple:
+    """The answers the solver's moves index: `env.action_names`, or for an env whose actions
+    are text (`text_actions`) its `move_names` (Sudoku: every placement `R,C,N`)."""
+    return tuple(getattr(env, "move_names", ()) if getattr(env, "text_actions", False)
+                 else env.action_names)
 
 
 def require_solver(env):
@@ -80,7 +94,7 @@ def require_solver(env):
 def next_moves(env, state, max_moves: int):
     """(names int32[max_moves], n int32[]): the next moves of `env`'s optimal plan from `state`.
 
-    names index `env.action_names`, padded with 0 past n; n = 0 when the state is done or has
+    names index `move_names(env)`, padded with 0 past n; n = 0 when the state is done or has
     no plan (unreachable goal, unsolvable or over-long Sokoban level). Slippery FrozenLake and
     Bandit give at most one move. Jittable and vmappable over `state`.
     """
@@ -95,6 +109,9 @@ def next_moves(env, state, max_moves: int):
     if isinstance(env, game2048.Game2048):
         names = jnp.zeros(max_moves, jnp.int32).at[0].set(game2048.greedy_move(state.grid))
         return names, (~env.is_done(state)).astype(jnp.int32)
+    if isinstance(env, sudoku.Sudoku):
+        cells, digits, n = sudoku.next_placements(state.grid, max_moves)
+        return cells * sudoku.SIZE + digits - 1, jnp.where(env.is_done(state), 0, n)
     return _sokoban_moves(env, state, max_moves)
 
 
@@ -104,7 +121,8 @@ def solver_success(env, state):
     probability of reaching the goal on the slippery lake; for Bandit whether the high-risk arm
     is (or was) pulled, which the solver always does (its payout is still random: mean 0.25).
     Sokoban counts only plans that fit in the steps left (max_steps - steps). 2048: 1 while the
-    game can go on (not a probability; see the module docstring)."""
+    game can go on (not a probability; see the module docstring). Sudoku: whether the grid has
+    a completion the solver finds (a done state: whether it was solved)."""
     require_solver(env)
     if isinstance(env, bandit.Bandit):
         return (~env.is_done(state) | env._pulled_high(state)).astype(jnp.float32)
@@ -113,6 +131,9 @@ def solver_success(env, state):
         return value[state.pos[0] * env.size + state.pos[1]]
     if isinstance(env, game2048.Game2048):  # not a probability: the greedy policy can move
         return (~env.is_done(state)).astype(jnp.float32)
+    if isinstance(env, sudoku.Sudoku):
+        return jnp.where(env.is_done(state), state.solved, sudoku.solve(state.grid)[1]).astype(
+            jnp.float32)
     dist, start, _ = _sokoban_field(env, state)
     left = env.max_steps - state.steps
     return (dist[start] <= jnp.maximum(left, 0)).astype(jnp.float32)

@@ -41,6 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text_actions
+from envs.text_actions import PAD, answer_bytes  # noqa: F401 (the env's own names)
+
 SIZE, BOX = 9, 3
 BLANKS = {"easy": int(SIZE * SIZE * 0.4), "medium": int(SIZE * SIZE * 0.5),
           "hard": int(SIZE * SIZE * 0.6)}  # the reference's cells_to_remove
@@ -131,6 +134,114 @@ def count_solutions(puzzle, limit: int = 2) -> tuple[int, np.ndarray | None]:
     return len(found), (found[0] if found else None)
 
 
+# ------------------------------------------------------------ the jittable solver
+# Cell indices (row-major, 0..80) of the 27 units (rows, columns, boxes) and each cell's units.
+_UNITS = np.array([[r * SIZE + c for c in range(SIZE)] for r in range(SIZE)]
+                  + [[r * SIZE + c for r in range(SIZE)] for c in range(SIZE)]
+                  + [[(b // BOX * BOX + i // BOX) * SIZE + b % BOX * BOX + i % BOX
+                      for i in range(SIZE)] for b in range(SIZE)], np.int32)
+_CELL_UNITS = np.array([[r, SIZE + c, 2 * SIZE + r // BOX * BOX + c // BOX]
+                        for r in range(SIZE) for c in range(SIZE)], np.int32)
+SOLVE_GUESSES = 2048  # most guesses of `solve`'s search (generated levels need none or few)
+
+
+def _fits(g):
+    """(cand bool[81, 9]: digit d + 1 fits empty cell i, has bool[27, 9]: unit u holds d + 1,
+    ok bool[]: no unit repeats a digit) of a flat grid int32[81]."""
+    onehot = g[:, None] == jnp.arange(1, SIZE + 1)
+    per_unit = jnp.sum(onehot[_UNITS], axis=1)  # [27, 9]
+    has = per_unit > 0
+    used = jnp.any(has[_CELL_UNITS], axis=1)  # [81, 9]
+    return ~used & (g == 0)[:, None], has, jnp.all(per_unit <= 1)
+
+
+def propagate(g):
+    """Constraint propagation on a flat grid int32[81] (0 empty): naked singles (a cell with
+    one candidate) and hidden singles (a digit with one place left in a row, column or box),
+    filled together each round until a round fills nothing. Returns (grid, ok): ok False on
+    a contradiction (a repeated digit, an empty cell without candidates, a unit with nowhere
+    left for a digit it lacks, a cell forced to two digits). Jittable."""
+    def body(carry):
+        g, _, _ = carry
+        cand, has, ok = _fits(g)
+        places = jnp.sum(cand[_UNITS], axis=1)  # [27, 9]: cells of unit u that can take d
+        ok &= jnp.all((g != 0) | jnp.any(cand, axis=1)) & jnp.all(has | (places > 0))
+        naked = cand & (jnp.sum(cand, axis=1) == 1)[:, None]
+        hidden = cand & jnp.any((places == 1)[_CELL_UNITS], axis=1)
+        forced = naked | hidden
+        ok &= jnp.all(jnp.sum(forced, axis=1) <= 1)
+        fill = jnp.any(forced, axis=1) & ok
+        g = jnp.where(fill, jnp.argmax(forced, axis=1) + 1, g).astype(jnp.int32)
+        return g, ok, jnp.any(fill)
+
+    g, ok, _ = jax.lax.while_loop(lambda c: c[1] & c[2], body,
+                                  (g.astype(jnp.int32), jnp.array(True), jnp.array(True)))
+    return g, ok & _fits(g)[2]
+
+
+def solve(grid):
+    """A completion of `grid` int32[9, 9] (0 empty) by propagation and depth-first search:
+    (solution int32[9, 9], ok bool[]). Each node is propagated (`propagate`); a node left
+    open branches on its empty cell with the fewest candidates, digits in increasing order
+    (the search of `count_solutions`, on device: an explicit stack of at most 81 nodes, each
+    deeper by at least one filled cell). ok False where the grid has no completion, or none
+    was found within SOLVE_GUESSES guesses (solution: the grid). Jittable and vmappable."""
+    n = SIZE * SIZE
+    flat = jnp.asarray(grid, jnp.int32).reshape(n)
+
+    def branch(g):  # (cell with the fewest candidates, its candidates) of an open node
+        cand = _fits(g)[0]
+        count = jnp.where(g == 0, jnp.sum(cand, axis=1), SIZE + 1)
+        cell = jnp.argmin(count)
+        return cell, cand[cell]
+
+    g0, ok0 = propagate(flat)
+    full0 = ok0 & jnp.all(g0 != 0)
+    cell0, mask0 = branch(g0)
+    stack = (jnp.zeros((n, n), jnp.int32).at[0].set(g0), jnp.zeros(n, jnp.int32).at[0].set(cell0),
+             jnp.zeros((n, SIZE), bool).at[0].set(mask0))
+    top0 = jnp.where(ok0 & ~full0, 0, -1)
+
+    def more(c):
+        top, found, guesses = c[1], c[2], c[3]
+        return (top >= 0) & ~found & (guesses < SOLVE_GUESSES)
+
+    def step(c):
+        (grids, cells, masks), top, found, guesses, best = c
+        mask = masks[top]
+        empty = ~jnp.any(mask)
+        d = jnp.argmax(mask)  # the smallest untried digit - 1
+        masks = masks.at[top, d].set(False)
+        g, ok = propagate(grids[top].at[cells[top]].set(d + 1))
+        ok &= ~empty
+        full = ok & jnp.all(g != 0)
+        push = ok & ~full & (top + 1 < n)
+        cell, cmask = branch(g)
+        nxt = jnp.minimum(top + 1, n - 1)
+        grids = jnp.where(push, grids.at[nxt].set(g), grids)
+        cells = jnp.where(push, cells.at[nxt].set(cell), cells)
+        masks = jnp.where(push, masks.at[nxt].set(cmask), masks)
+        top = jnp.where(empty, top - 1, jnp.where(push, top + 1, top))
+        return ((grids, cells, masks), top, full, guesses + ~empty, jnp.where(full, g, best))
+
+    _, _, found, _, best = jax.lax.while_loop(
+        more, step, (stack, top0, full0, jnp.zeros((), jnp.int32), jnp.where(full0, g0, flat)))
+    return best.reshape(SIZE, SIZE), found
+
+
+def next_placements(grid, max_moves: int):
+    """(cells int32[max_moves] (flat 0-based), digits int32[max_moves] (1..9), n int32[]): up
+    to `max_moves` placements of a completion of `grid` found by `solve`, the empty cells
+    with the fewest candidates first (a naked single before a cell that needed the search;
+    ties in reading order); n = 0 where `solve` finds none. Jittable."""
+    solution, ok = solve(grid)
+    flat = jnp.asarray(grid, jnp.int32).reshape(-1)
+    count = jnp.sum(_fits(flat)[0], axis=1)
+    order = jnp.argsort(jnp.where(flat == 0, count, SIZE + 1), stable=True)[:max_moves]
+    n = jnp.where(ok, jnp.minimum(jnp.sum(flat == 0), max_moves), 0).astype(jnp.int32)
+    return order.astype(jnp.int32), solution.reshape(-1)[order], n
+
+
 # ======================================================================= the env
 # The reference's env_instruction (config/envs.yaml, SimpleSudoku / MediumSudoku: a YAML block,
 # so it ends with a newline).
@@ -144,7 +255,6 @@ INSTRUCTION = (
     "The environment will provide feedback on valid/invalid moves and show conflicts if any "
     "occur.\n"
 )
-PAD = -1
 ECHO = 64  # bytes of an unparsable answer the feedback echoes
 SAT = 999_999_999  # digit runs saturate here
 BANNER = "=" * 50
@@ -202,9 +312,6 @@ def parse_action(action):
     last = jnp.max(jnp.where(core, pos, -1))
     x = jnp.where(pos <= last - first, x[jnp.clip(pos + first, 0, L - 1)], PAD)
 
-    def at(p):
-        return jnp.where(p < L, x[jnp.clip(p, 0, L - 1)], PAD)
-
     digit = _isdigit(x)
     ws_end = jax.lax.cummin(jnp.where(_isspace(x), L, pos), reverse=True)
     dig_end = jax.lax.cummin(jnp.where(digit, L, pos), reverse=True)
@@ -215,30 +322,43 @@ def parse_action(action):
         return nv, nv
     _, pre = jax.lax.scan(run, jnp.zeros((), jnp.int32), x)
 
-    def ends(p):
-        return jnp.where(p < L, ws_end[jnp.clip(p, 0, L - 1)], L)
+    words = {}
 
+    def starts(word):  # bool[L]: `word` starts at each position (static shifts, no gather)
+        if word not in words:
+            m = jnp.ones((L,), bool)
+            for i, ch in enumerate(word.encode()):
+                m &= jnp.concatenate([x[i:], jnp.full((min(i, L),), PAD, x.dtype)])[:L] == ch
+            words[word] = m
+        return words[word]
+
+    def at(a, p, fill):  # a[p], `fill` past the end; p is None at the start (every position)
+        return a if p is None else jnp.where(p < L, a[jnp.clip(p, 0, L - 1)], fill)
+
+    # Each pattern is matched from every start position at once: p holds where each candidate
+    # match has got to. A run of spaces or digits is taken whole (its end from ws_end /
+    # dig_end), a `+` or a digit run needs one character at least (its end past p).
     found = jnp.zeros((), bool)
     groups = jnp.zeros((3,), jnp.int32)
     for pattern in _PATTERNS:
-        p = pos
+        p = None
         ok = jnp.ones((L,), bool)
         vals = []
         for tok in pattern:
-            if tok == "+":
-                ok &= _isspace(at(p))
-                p = ends(p)
-            elif tok == "*":
-                p = ends(p)
+            here = pos if p is None else p
+            if tok in "+*":
+                e = at(ws_end, p, L)
+                if tok == "+":
+                    ok &= e > here
+                p = e
             elif tok == "d":
-                ok &= _isdigit(at(p))
-                e = jnp.where(p < L, dig_end[jnp.clip(p, 0, L - 1)], L)
+                e = at(dig_end, p, L)
+                ok &= e > here
                 vals.append(pre[jnp.clip(e - 1, 0, L - 1)])
                 p = e
             else:
-                for i, ch in enumerate(tok.encode()):
-                    ok &= at(p + i) == ch
-                p = p + len(tok)
+                ok &= at(starts(tok), p, False)
+                p = here + len(tok)
         hit = jnp.argmax(ok)
         g = jnp.stack([v[hit] for v in vals])
         take = ~found & ok.any()
@@ -246,11 +366,7 @@ def parse_action(action):
         found = found | ok.any()
 
     def contains(word):
-        w = word.encode()
-        m = jnp.ones((L,), bool)
-        for i, ch in enumerate(w):
-            m &= at(pos + i) == ch
-        return m.any()
+        return starts(word).any()
     named = contains("place") | contains("at")
     num = jnp.where(named, groups[0], groups[2])
     row = jnp.where(named, groups[1], groups[0])
@@ -285,7 +401,7 @@ def is_solved_grid(grid):
 
 
 @dataclasses.dataclass(frozen=True)
-class Sudoku:
+class Sudoku(text_actions.TextActionEnv):
     """Static settings (hashable: usable as a jit static argument).
 
     blanks: cells blanked per level (the reference's 32 easy, 40 medium); max_steps: the
@@ -303,11 +419,10 @@ class Sudoku:
     completion_bonus: float = 10.0
 
     instruction = INSTRUCTION
-    legend = ""
-    symbols = ()
-    action_names = ()  # no action lookup: every parsed answer is an action
-    text_actions = True  # step takes the answer's bytes
-    num_actions = 0
+    # the answers the solver writes (envs/solvers.py `next_moves`): placement (r, c, n), all
+    # 1-based, is move ((r - 1) * 9 + c - 1) * 9 + n - 1, `r,c,n` in the reference's format
+    move_names = tuple(f"{r},{c},{n}" for r in range(1, SIZE + 1) for c in range(1, SIZE + 1)
+                       for n in range(1, SIZE + 1))
 
     def __post_init__(self):
         check_blanks(self.blanks)
@@ -375,9 +490,6 @@ class Sudoku:
 
     def is_done(self, state):
         return state.done
-
-    def name_to_action(self, state, index):
-        raise ValueError("Sudoku actions are text: step takes the answer's bytes")
 
     # ----------------------------------------------------------- host text
     def to_text(self, state):
@@ -481,10 +593,30 @@ def _host_valid(grid, r, c) -> list:
     return sorted(set(range(1, SIZE + 1)) - used)
 
 
-def answer_bytes(text: str, width: int | None = None) -> np.ndarray:
-    """Host helper: a string as int32 bytes padded with PAD to `width` (default its length)."""
-    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    width = len(raw) if width is None else width
-    if len(raw) > width:
-        raise ValueError(f"answer of {len(raw)} bytes does not fit width {width}")
-    return np.pad(raw, (0, width - len(raw)), constant_values=PAD)
+_REFERENCE_PATTERNS = (r"place\s+(\d+)\s+at\s+row\s+(\d+)\s+col\s+(\d+)",
+                       r"place\s+(\d+)\s+at\s+\((\d+),\s*(\d+)\)",
+                       r"place\s+(\d+)\s+at\s+(\d+),\s*(\d+)", r"(\d+)\s+at\s+(\d+),\s*(\d+)",
+                       r"\((\d+),\s*(\d+),\s*(\d+)\)", r"(\d+),\s*(\d+),\s*(\d+)")
+
+
+def reference_parse(action: str):
+    """Host: the reference's `SudokuEnv.parse_action` (ragen/env/sudoku/env.py), its matching
+    part, with Python's `re`: (matched, num, row, col) before the range checks."""
+    action = action.strip().lower()
+    for pattern in _REFERENCE_PATTERNS:
+        m = re.search(pattern, action)
+        if m:
+            if "place" in action or "at" in action:
+                num, row, col = map(int, m.groups())
+            else:
+                row, col, num = map(int, m.groups())
+            return True, num, row, col
+    return False, None, None, None
+
+
+# envs.make(name): RAGEN-2's Sudoku (tags SimpleSudoku / MediumSudoku), 32 or 40 blanks (its
+# easy / medium), 81 env steps, 20 or 30 actions an episode
+VARIANTS = {
+    "SimpleSudoku": (Sudoku, dict(blanks=BLANKS["easy"], max_steps=81, max_actions=20)),
+    "MediumSudoku": (Sudoku, dict(blanks=BLANKS["medium"], max_steps=81, max_actions=30)),
+}

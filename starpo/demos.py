@@ -32,6 +32,8 @@ from envs import text as env_text
 from starpo import rollout as rollout_lib
 from starpo import scripted
 
+MAX_REPLIES = 20_000  # rows of a reply table (Sokoban's 5 moves of 4 names: 1,365)
+
 
 def reply_text(names, thinking: bool) -> str:
     """The demonstration reply that plays the action names `names` (a non-empty sequence)."""
@@ -43,19 +45,28 @@ def reply_text(names, thinking: bool) -> str:
 
 def moves_per_turn(env, spec: rollout_lib.RolloutSpec, actions_per_turn: int = 0) -> int:
     """Most moves a demonstration reply plays: `actions_per_turn`, never more than the turn's
-    action budget; 0 = the budget (1 for the slippery lake: it re-plans after each slide)."""
+    action budget; 0 = the budget (1 for the slippery lake: it re-plans after each slide),
+    cut to the most whose reply table has at most MAX_REPLIES rows (Sudoku's 729 placements:
+    one a reply). An `actions_per_turn` whose table is larger is a ValueError."""
     budget = env_text.make_text(env, spec.max_actions_per_turn,
                                 spec.max_actions_per_traj).max_actions_per_turn
     if getattr(env, "is_slippery", False):
         return 1
-    return min(actions_per_turn or budget, budget)
+    moves = min(actions_per_turn or budget, budget)
+    V = len(solvers.move_names(env))
+    fits = max([1] + [n for n in range(1, moves + 1) if sum(V ** i for i in range(1, n + 1))
+                      <= MAX_REPLIES])
+    if actions_per_turn and fits < moves:
+        raise ValueError(f"sft.actions_per_turn={actions_per_turn}: a reply table of {V} moves "
+                         f"to the power {moves} exceeds {MAX_REPLIES} replies; use {fits}")
+    return fits
 
 
 def _replies(env, tokenizer, spec: rollout_lib.RolloutSpec, n: int):
     """Host: (texts, ids [R,N+1], len [R], stop [R]) of the replies of every sequence of n
     moves, name index i of move j weighing V^j (itertools.product varies the last position
     fastest, so each tuple is reversed)."""
-    names = tuple(env.action_names)
+    names = solvers.move_names(env)
     texts = [reply_text([names[i] for i in reversed(seq)], spec.thinking)
              for seq in itertools.product(range(len(names)), repeat=n)]
     ids, lens, stops = scripted.script_replies(tokenizer, [[t] for t in texts], 1,
@@ -111,7 +122,7 @@ def solver_policy(env_list, tables, moves: tuple) -> rollout_lib.Policy:
         rows = []
         for env, s, A, base in zip(env_list, env_states, moves, bases):
             names, n = jax.vmap(lambda st, env=env, A=A: solvers.next_moves(env, st, A))(s)
-            V = len(env.action_names)
+            V = len(solvers.move_names(env))
             rows.append(base + jax.vmap(lambda a, m, V=V: sequence_row(a, m, V))(names, n))
         r = jnp.concatenate(rows)
         return scripted.script_turn(state, chunk, valid, active, ids[r], lens[r], stops[r])

@@ -187,13 +187,15 @@ def dialogue_pieces(env, *, max_turn: int = 5, max_new_tokens: int = 100, thinki
 
 def template_strings(env, **settings) -> list[str]:
     """The long fixed texts of the dialogue (`dialogue_pieces` of 8 or more characters without
-    a chat-template special token, plus the system prompt): candidates for whole-string
+    a chat-template special token, plus the system prompt), and an env's `move_names` (the
+    answers of a text-action env's solver) followed by `</answer>`: candidates for whole-string
     tokens (`Tokenizer.tiny(added_tokens=...)`) that make the context short."""
     out = [SYSTEM_PROMPT]
     for s in dialogue_pieces(env, **settings):
         if len(s) >= 8 and "<|" not in s and s not in out:
             out.append(s)
-    return out
+    # an env whose answers are text and not names (Sudoku): its solver's answers, whole
+    return out + [f"{m}</answer>" for m in getattr(env, "move_names", ())]
 
 
 def assemble(tables: DialogueTables, piece_ids, width: int):

@@ -11,6 +11,7 @@ in-process: the same code, ~1 ms a case); a few cases then run the real command 
 import ast
 import dataclasses
 import glob
+import importlib
 import os
 import subprocess
 import sys
@@ -19,14 +20,17 @@ import pytest
 from absl import flags
 
 import envs
-from configs import bandit, countdown, frozenlake, game2048, sokoban, sudoku
+from configs import frozenlake
 from launch import common
 from starpo import config_check, experiment, model, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = {"configs/frozenlake.py": frozenlake, "configs/sokoban.py": sokoban,
-         "configs/bandit.py": bandit, "configs/countdown.py": countdown,
-         "configs/game2048.py": game2048, "configs/sudoku.py": sudoku}
+# every config file (configs/*.py but the shared `common` and the package file): a new env's
+# config is checked here without being listed
+FILES = {f"configs/{name}.py": importlib.import_module(f"configs.{name}")
+         for name in sorted(os.path.splitext(os.path.basename(p))[0]
+                            for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
+         if name not in ("__init__", "common")}
 VARIANTS = (None, "cpu", "gpu", "tiny")
 # AlgoConfig fields the config keeps in `rollout`
 FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window")
