@@ -133,6 +133,7 @@ _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
                    "/jax/core/compile/backend_compile_duration": "compile"}
 _spent: dict = {}
+_names: dict = {}  # compiled program name -> seconds, in the running test
 
 if _PROFILE:
     def _on_duration(event, seconds, **kwargs):
@@ -140,6 +141,8 @@ if _PROFILE:
             _spent[_COMPILE_EVENTS[event]] = _spent.get(_COMPILE_EVENTS[event], 0.0) + seconds
             if event.endswith("backend_compile_duration"):
                 _spent["programs"] = _spent.get("programs", 0) + 1
+                name = kwargs.get("fun_name", "?")
+                _names[name] = _names.get(name, 0.0) + seconds
 
     def _on_event(event, **kwargs):
         if event.startswith("/jax/compilation_cache/cache_"):  # cache_hits, cache_misses
@@ -157,9 +160,11 @@ if _PROFILE:
         import time
 
         _spent.clear()
+        _names.clear()
         start = time.perf_counter()
         yield
         row = dict(test=item.nodeid, seconds=round(time.perf_counter() - start, 3),
-                   **{k: round(v, 3) for k, v in _spent.items()})
+                   **{k: round(v, 3) for k, v in _spent.items()},
+                   slowest_programs=dict(sorted(_names.items(), key=lambda kv: -kv[1])[:8]))
         with open(_PROFILE, "a") as f:
             f.write(json.dumps(row) + "\n")
