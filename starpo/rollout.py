@@ -494,9 +494,11 @@ def _play_episodes(setup: _Setup, policy: Policy, pstate, env_states, group_id, 
 
 
 # ------------------------------------------------------------------------------ levels
+@functools.partial(jax.jit, static_argnames=("env", "stream", "env_groups", "group_size"))
 def initial_states(env, key, seed, stream, env_groups, group_size):
     """One reset per group (key from stream and seed + group index), repeated group_size times.
-    Returns (env state [env_groups * group_size], group_id: each row's group seed)."""
+    Returns (env state [env_groups * group_size], group_id: each row's group seed). One
+    program: op by op, a generator's reset (Sokoban's) would compile hundreds of small ones."""
     group_seed = jnp.asarray(seed, jnp.int32) + jnp.arange(env_groups, dtype=jnp.int32)
     base = jax.random.fold_in(key, stream)
     keys = jax.vmap(lambda s: jax.random.fold_in(base, s))(group_seed)
