@@ -308,12 +308,17 @@ def test_cache_attention_in_query_blocks_equals_all_queries_at_once(tiny, monkey
 
     def run(block):
         monkeypatch.setattr(M, "CACHE_QUERY_BLOCK", block)
+
+        @jax.jit  # a new function for each block size: the block is read when it traces
+        def append(p, tokens, v, cache, turn):
+            w = M.TurnWindow(jnp.full(tokens.shape, turn, jnp.int32), 1) if window else None
+            return M.hidden_states(p, cfg, tokens, v, cache, window=w)
+
         p = M.split_layers(params) if path == "split" else params
         cache = M.init_cache(cfg, 2, 32, turns=window)
         out = []
         for tokens, v, turn in zip(chunks, valid, turns):
-            w = M.TurnWindow(jnp.full(tokens.shape, turn, jnp.int32), 1) if window else None
-            h, cache = M.hidden_states(p, cfg, tokens, v, cache, window=w)
+            h, cache = append(p, tokens, v, cache, turn)
             out.append(h)
         return out, M.stack_cache(cache)
 

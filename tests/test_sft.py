@@ -304,8 +304,12 @@ def test_sft_step_is_the_weighted_mean_nll_of_reply_tokens():
     want_grads = jax.jit(jax.grad(reference_loss))(params)
     state = UP.init_train_state(algo, jax.tree_util.tree_map(jnp.array, params))
     tx = UP.make_optimizer(algo.actor_lr, algo)
-    updates, _ = tx.update(want_grads, tx.init(params), params)
-    want_params = optax.apply_updates(params, updates)
+
+    @jax.jit  # one program, not one per leaf and operation
+    def adamw_step(grads, p):
+        return optax.apply_updates(p, tx.update(grads, tx.init(p), p)[0])
+
+    want_params = adamw_step(want_grads, params)
 
     new, metrics = sft.make_step(algo, CFG)(state, traj, jnp.asarray(weight))
     assert float(metrics["sft/loss"]) == pytest.approx(want_loss, rel=1e-5)
