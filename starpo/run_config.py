@@ -419,3 +419,123 @@ def init_source(config) -> tuple[str, int]:
     if step is None:
         raise ValueError(f"model.init_from {path}: the run has no complete checkpoint")
     return workdir, step
+
+
+# ----------------------------------------------------------------------------- the whole run
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """The episodes a rollout plays per step (`config.rollout`) or per validation (`config.val`)."""
+
+    env_groups: int
+    group_size: int
+    batch_size: int  # episodes played at once as configured (0 = all)
+    chunk: int  # episodes played at once (`batch_size`)
+    temperature: float
+
+    @property
+    def episodes(self) -> int:
+        return self.env_groups * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ValSpec:
+    """`config.val`: the validation sets, their batch and when they play."""
+
+    batch: BatchSpec
+    tags: tuple
+    before_train: bool
+    test_freq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSpec:
+    """`config.trainer`: the RL phase's length, checkpoints, logging and warnings."""
+
+    total_steps: int
+    save_freq: int
+    keep_checkpoints: int
+    log_samples: int
+    context_bucket: int
+    fast_compile: bool
+    memory_check: bool
+    stop_on_collapse: bool
+    empty_stop_steps: int  # trainer.rollout_filter_empty_stop_steps (0 = never)
+    collapse_window: int
+    collapse_mi_freq: int  # 0 = the template-collapse diagnostic is off
+    collapse_mi_samples: int
+    collapse_mi_micro_batch: int
+    collapse_mi_warn: float
+    collapse_mi_multi_turn: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSpec:
+    """`config.sft`: the SFT phase (steps 0 = none) and its algorithm (`sft_algo`)."""
+
+    steps: int
+    env_groups: int
+    actions_per_turn: int
+    test_freq: int
+    save_freq: int
+    algo: AlgoConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """`config.model` as the memory plan and the first lines need it."""
+
+    remat: bool
+    remat_policy: str
+    critic_path: str
+    lora: dict | None  # `lora_settings`
+    dtypes: dict  # `phase_dtypes`: the dtype each phase multiplies in
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A whole run's config, read once (`read`); `config` is the ConfigDict itself, kept as
+    the artefact a run saves (config.json, checkpoints) and compares on resume."""
+
+    config: object
+    seed: int
+    algo: AlgoConfig
+    rollout: rollout_lib.RolloutSpec
+    batch: BatchSpec
+    mix: tuple
+    context_window: int
+    val: ValSpec
+    trainer: TrainerSpec
+    sft: SftSpec
+    model: ModelSpec
+    mesh: tuple  # (data, fsdp, tensor)
+    envs: dict  # tag -> env of every tag the run plays (`make_env`)
+
+
+def _batch(part) -> BatchSpec:
+    return BatchSpec(part.env_groups, part.group_size, part.get("batch_size", 0),
+                     batch_size(part), part.temperature)
+
+
+def _trainer(t) -> TrainerSpec:
+    return TrainerSpec(
+        t.total_steps, t.save_freq, t.keep_checkpoints, t.log_samples, t.context_bucket,
+        t.fast_compile, t.get("memory_check", True), t.stop_on_collapse,
+        t.get("rollout_filter_empty_stop_steps", 0), t.collapse_window,
+        t.get("collapse_mi_freq", 0), t.collapse_mi_samples, t.collapse_mi_micro_batch,
+        t.collapse_mi_warn, t.get("collapse_mi_multi_turn", False))
+
+
+def read(config) -> RunSpec:
+    """The run of a (checked: `config_check.check`) config as typed, frozen specs."""
+    s, m = config.sft, config.model
+    sft = SftSpec(s.steps, s.env_groups, s.actions_per_turn, s.test_freq, s.save_freq,
+                  sft_algo(config))
+    model = ModelSpec(m.remat, m.get("remat_policy", "full"), m.critic_path,
+                      lora_settings(config), phase_dtypes(config))
+    v, mesh, mix = config.val, config.mesh, env_mix(config)
+    val = ValSpec(_batch(v), val_tags(config), v.before_train, v.test_freq)
+    tags = (config.env.name,) + tuple(t for t, _ in mix) + val.tags
+    return RunSpec(config, config.seed, algo_config(config), rollout_spec(config),
+                   _batch(config.rollout), mix, context_window(config), val,
+                   _trainer(config.trainer), sft, model, (mesh.data, mesh.fsdp, mesh.tensor),
+                   {tag: make_env(config, tag) for tag in tags})
