@@ -250,32 +250,40 @@ _RANGES = {
 def algo_config(config) -> AlgoConfig:
     """The update's knobs: `config.algorithm` plus group size, temperature, reply budget and
     context window of the rollout."""
+    return _algo(config, context_window(config))
+
+
+def _algo(config, window: int) -> AlgoConfig:
     return AlgoConfig(**config.algorithm.to_dict(), group_size=config.rollout.group_size,
                       temperature=config.rollout.temperature,
-                      response_length=config.rollout.response_length,
-                      context_window=context_window(config))
+                      response_length=config.rollout.response_length, context_window=window)
 
 
 def sft_algo(config) -> AlgoConfig:
     """The run's algorithm knobs with SFT's learning rate and warm-up (no critic, no decay)."""
-    s = config.sft
-    return algo_config(config).replace(
-        adv_estimator="grpo", actor_lr=float(s.lr), warmup_steps=int(s.warmup_steps),
-        lr_decay_steps=0)
+    return _sft_algo(algo_config(config), config.sft)
+
+
+def _sft_algo(algo: AlgoConfig, s) -> AlgoConfig:
+    return algo.replace(adv_estimator="grpo", actor_lr=float(s.lr),
+                        warmup_steps=int(s.warmup_steps), lr_decay_steps=0)
 
 
 # ----------------------------------------------------------------------------- the rollout
 def rollout_spec(config) -> rollout_lib.RolloutSpec:
     """The episode's shape and sampling of `config.rollout` (the training and validation
     rollouts' and the solver demonstrations' alike)."""
-    r = config.rollout
+    return _rollout_spec(config.rollout, phase_dtypes(config)["prefill"], context_window(config))
+
+
+def _rollout_spec(r, prefill_dtype: str, window: int) -> rollout_lib.RolloutSpec:
     return rollout_lib.RolloutSpec(
         max_turn=r.max_turn, max_new_tokens=r.response_length, max_context=r.max_context,
         thinking=r.enable_think, top_k=r.top_k, top_p=r.top_p,
         max_actions_per_turn=r.max_actions_per_turn or None,
         max_actions_per_traj=r.max_actions_per_traj or None,
-        prefill_dtype=phase_dtypes(config)["prefill"], decode_windows=r.get("decode_windows", 1),
-        context_window=context_window(config))
+        prefill_dtype=prefill_dtype, decode_windows=r.get("decode_windows", 1),
+        context_window=window)
 
 
 def batch_size(part) -> int:
@@ -526,16 +534,18 @@ def _trainer(t) -> TrainerSpec:
 
 
 def read(config) -> RunSpec:
-    """The run of a (checked: `config_check.check`) config as typed, frozen specs."""
-    s, m = config.sft, config.model
+    """The run of a (checked: `config_check.check`) config as typed, frozen specs: each
+    section read once, here."""
+    s, m, v, mesh = config.sft, config.model, config.val, config.mesh
+    window, dtypes = context_window(config), phase_dtypes(config)
+    algo = _algo(config, window)
     sft = SftSpec(s.steps, s.env_groups, s.actions_per_turn, s.test_freq, s.save_freq,
-                  sft_algo(config))
+                  _sft_algo(algo, s))
     model = ModelSpec(m.remat, m.get("remat_policy", "full"), m.critic_path,
-                      lora_settings(config), phase_dtypes(config))
-    v, mesh, mix = config.val, config.mesh, env_mix(config)
-    val = ValSpec(_batch(v), val_tags(config), v.before_train, v.test_freq)
+                      lora_settings(config), dtypes)
+    mix, val = env_mix(config), ValSpec(_batch(v), val_tags(config), v.before_train, v.test_freq)
     tags = (config.env.name,) + tuple(t for t, _ in mix) + val.tags
-    return RunSpec(config, config.seed, algo_config(config), rollout_spec(config),
-                   _batch(config.rollout), mix, context_window(config), val,
+    rollout = _rollout_spec(config.rollout, dtypes["prefill"], window)
+    return RunSpec(config, config.seed, algo, rollout, _batch(config.rollout), mix, window, val,
                    _trainer(config.trainer), sft, model, (mesh.data, mesh.fsdp, mesh.tensor),
                    {tag: make_env(config, tag) for tag in tags})
