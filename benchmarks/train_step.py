@@ -117,7 +117,8 @@ def main(argv):
             timed("values", jax.jit(values), state.critic_params, kept.tokens, kept.valid)
         prepare = jax.jit(UP.make_prepare(algo, cfg, exp.critic_cfg))
         timed("prepare", prepare, state, traj)
-        _, update_metrics = timed("update", exp.update, state, traj, k_update)
+        ref = exp.policy.params if algo.uses_reference else None  # as `training.train_step`
+        _, update_metrics = timed("update", exp.update, state, traj, k_update, ref)
         peaks["update"] = device_peak_gb()
         plan = harness.memory_plan(exp, log=lambda _: None)
 

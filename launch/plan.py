@@ -70,7 +70,7 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["config"].present:
         raise ValueError("--config is required, e.g. --config=configs/frozenlake.py")
-    from starpo import memory
+    from starpo import memory, run_config
 
     devices = [int(d) for d in FLAGS.devices]
     if any(d < 1 for d in devices):
@@ -83,10 +83,11 @@ def main(argv):
     dtype = FLAGS.dtype if FLAGS.dtype != "auto" else (
         "float32" if FLAGS.backend == "cpu" else "bfloat16")
     context = min(r.max_context, -(-(P + r.max_turn * (P + r.response_length)) // 64) * 64)
+    run = run_config.read(CONFIG.value)
     rows, out = [], []
     for name, cfg in cfgs.items():
         for n in devices:
-            phases = memory.plan(CONFIG.value, cfg, mesh_shape=(1, n, 1),
+            phases = memory.plan(run, cfg, mesh_shape=(1, n, 1),
                                  prompt_tokens=P, decode_dtype=dtype, update_dtype=dtype,
                                  contexts=(context, context),
                                  attention=kernels(FLAGS.backend, cfg, dtype))

@@ -1,7 +1,7 @@
 """What a run builds once from its config: the policy (with LoRA adapters, `init_from`'s
 weights), the critic, the training rollout, the update and the validation sets, on the mesh.
 
-    exp = experiment.build(config)              # an `Experiment`: everything compiled once
+    exp = experiment.build(run_config.read(config))   # an `Experiment`: compiled once
     state = experiment.initial_train_state(exp)
     scalars = experiment.validate(exp, state.actor_params)
 
@@ -93,7 +93,7 @@ def critic_params_from(config, actor: weights.LoadedModel):
 class Experiment:
     """Everything a run builds once from its config."""
 
-    config: object
+    run: run_config.RunSpec
     algo: run_config.AlgoConfig
     policy: weights.LoadedModel
     critic_cfg: object
@@ -115,62 +115,60 @@ class Experiment:
     run_chunk: object = None  # jitted run_from of one chunk (what run_rollout calls)
 
 
-def build(config, policy: weights.LoadedModel | None = None) -> Experiment:
-    """Model, envs, the training rollout, the update and the validation sets of a config."""
-    config_check.check(config)
-    algo = run_config.algo_config(config)
-    r = config.rollout
-    mix = run_config.env_mix(config)
-    env = run_config.make_env(config, config.env.name)
-    tags = run_config.val_tags(config)
-    mesh = sharding.mesh_from_config(config.mesh)
-    policy = policy or load_policy(config)
-    model_lib.check_kernels(policy.cfg.replace(dtype=phase_dtypes(config)["update"]))
+def build(run: run_config.RunSpec, policy: weights.LoadedModel | None = None) -> Experiment:
+    """Model, envs, the training rollout, the update and the validation sets of a run (a
+    `run_config.read`; a ConfigDict is checked and read here)."""
+    if not isinstance(run, run_config.RunSpec):
+        config_check.check(run)
+        run = run_config.read(run)
+    algo, update_dtype = run.algo, run.model.dtypes["update"]
+    env = run.envs[run.config.env.name]
+    mesh = sharding.make_mesh(*run.mesh)
+    policy = policy or load_policy(run.config)
+    model_lib.check_kernels(policy.cfg.replace(dtype=update_dtype))
     # weights go straight to their shards (each device receives only its slice)
     policy = dataclasses.replace(policy, params=sharding.put(
         policy.params, model_lib.param_shardings(policy.cfg, mesh)))
-    options = FAST_COMPILE if config.trainer.fast_compile else None
-    spec = run_config.rollout_spec(config)
+    options = FAST_COMPILE if run.trainer.fast_compile else None
     train_env, ro, initial_states, run_chunk, run_rollout = _training_rollout(
-        config, policy, spec, mix, mesh, options)
-    critic_cfg, critic_params = critic_params_from(config, policy) if algo.uses_critic else (
+        run, policy, mesh, options)
+    critic_cfg, critic_params = critic_params_from(run.config, policy) if algo.uses_critic else (
         None, None)
     state_shardings = update_lib.state_shardings(algo, mesh, policy.cfg, critic_cfg)
-    update_cfg = policy.cfg.replace(dtype=phase_dtypes(config)["update"])
+    update_cfg = policy.cfg.replace(dtype=update_dtype)
     update = update_lib.make_update(algo, update_cfg, critic_cfg, compiler_options=options,
                                      state_shardings=state_shardings, mesh=mesh)
     # a fresh state is created in place on the mesh: Adam moments born sharded like weights
     init_state = update_lib.make_init(algo, state_shardings)
 
     val_sets = {}
-    v = config.val
-    val_chunk = run_config.batch_size(v)
-    for tag in tags:
-        venv = run_config.make_env(config, tag)
+    v = run.val.batch
+    for tag in run.val.tags:
+        venv = run.envs[tag]
         # a validation chunk of the training env and size plays on the training's program
-        same = venv == train_env and val_chunk == run_config.batch_size(r)
+        same = venv == train_env and v.chunk == run.batch.chunk
         val_sets[tag] = evaluate.make_eval_set(
             tag, venv, policy.tokenizer, policy.cfg, env_groups=v.env_groups,
-            group_size=v.group_size, spec=spec, compiler_options=options,
+            group_size=v.group_size, spec=run.rollout, compiler_options=options,
             rollout=ro if same else None, run_from=run_chunk if same else None,
-            batch_size=val_chunk)
-    return Experiment(config, algo, policy, critic_cfg, env, mix, ro, run_rollout, initial_states,
+            batch_size=v.chunk)
+    return Experiment(run, algo, policy, critic_cfg, env, run.mix, ro, run_rollout, initial_states,
                       update, val_sets, options, critic_params, mesh, state_shardings,
                       init_state, run_chunk)
 
 
-def _training_rollout(config, policy, spec, mix, mesh, options):
+def _training_rollout(run: run_config.RunSpec, policy, mesh, options):
     """The training batch's rollout, played `rollout.batch_size` episodes at a time:
     (the env of a one-env batch or None, Rollout of one chunk, jitted (key, seed) -> the
     batch's levels, jitted program of one chunk, (params, key, env_state, group_id,
     temperature) -> the batch's (Trajectory, metrics))."""
-    r = config.rollout
-    B, chunk = r.env_groups * r.group_size, run_config.batch_size(r)
+    r, spec, mix = run.batch, run.rollout, run.mix
+    B, chunk = r.episodes, r.chunk
     # Levels are generated and episodes played where their rows live: every [B,...] output
     # (env states, trajectory, per-episode metrics) is split over the mesh's batch axes, and
     # nothing is fed from the host but seeds and keys.
     rows, chunk_rows = sharding.batch_sharding(mesh, B), sharding.batch_sharding(mesh, chunk)
-    train_envs = tuple((run_config.make_env(config, tag), groups) for tag, groups in mix)
+    train_envs = tuple((run.envs[tag], groups) for tag, groups in mix)
     if len(mix) == 1:
         train_env = train_envs[0][0]
         ro = rollout_lib.make_rollout(train_env, policy.tokenizer, policy.cfg, spec,
@@ -219,8 +217,8 @@ def with_actor(exp: Experiment, params) -> Experiment:
     a copy of the actor, copies these too."""
     policy = dataclasses.replace(exp.policy, params=params, source=f"{exp.policy.source}+sft")
     critic = exp.critic_params
-    if exp.algo.uses_critic and not exp.config.model.critic_path:
-        critic = sharding.put(critic_params_from(exp.config, policy)[1],
+    if exp.algo.uses_critic and not exp.run.model.critic_path:
+        critic = sharding.put(critic_params_from(exp.run.config, policy)[1],
                               exp.state_shardings.critic_params)
     return dataclasses.replace(exp, policy=policy, critic_params=critic)
 
@@ -236,11 +234,11 @@ def validate(exp: Experiment, params, writer=None, step: int = 0) -> dict[str, f
     out = {}
     t0 = time.perf_counter()
     for tag, vs in exp.val_sets.items():
-        traj, m = vs.play(params, val_key(exp.config.seed), exp.config.val.temperature)
+        traj, m = vs.play(params, val_key(exp.run.seed), exp.run.val.batch.temperature)
         for name, value in evaluate.summarize(traj, m, vs.group_size).items():
             out[f"val/{tag}/{name}"] = value
         if writer is not None:
-            for row in range(min(exp.config.trainer.log_samples, traj.tokens.shape[0])):
+            for row in range(min(exp.run.trainer.log_samples, traj.tokens.shape[0])):
                 writer.text(step, f"val/{tag}/dialogue_{row}",
                             evaluate.dialogue(exp.policy.tokenizer, traj, row))
     out["timing/val"] = time.perf_counter() - t0

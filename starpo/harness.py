@@ -33,7 +33,6 @@ from starpo import lora, memory
 from starpo import metrics as metrics_lib
 from starpo import model as model_lib
 from starpo import sharding, weights
-from starpo.precision import phase_dtypes
 
 # Fields a resumed run may change; any other difference means "this is a different run".
 # A checkpoint restores onto any mesh, so the mesh may change too; the length the update's
@@ -139,11 +138,11 @@ def write_config(workdir: str, config) -> None:
     os.replace(path + ".tmp", path)
 
 
-def open_checkpoints(workdir: str, config) -> ckpt_lib.Checkpointer:
-    """The run's checkpoints/ folder (the workdir created where it is not yet)."""
+def open_checkpoints(workdir: str, keep: int) -> ckpt_lib.Checkpointer:
+    """The run's checkpoints/ folder keeping the newest `keep` (`trainer.keep_checkpoints`;
+    the workdir created where it is not yet)."""
     os.makedirs(workdir, exist_ok=True)
-    return ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                 keep=config.trainer.keep_checkpoints)
+    return ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
 
 
 def lead_only(log, progress: bool):
@@ -227,9 +226,9 @@ def raise_if_stopped(stoppers: list, n: int, total: int, what: str = "step") -> 
 def memory_plan(exp, log=metrics_lib.say) -> list:
     """Print the estimated peak memory of each phase beside the device's capacity; raise
     `memory.MemoryPlanError` where one cannot fit (`trainer.memory_check`; else a warning)."""
-    c = exp.config
-    dtypes = phase_dtypes(c)
-    phases = memory.plan(c, exp.policy.cfg, mesh_shape=tuple(exp.mesh.shape.values()),
+    run = exp.run
+    dtypes = run.model.dtypes
+    phases = memory.plan(run, exp.policy.cfg, mesh_shape=tuple(exp.mesh.shape.values()),
                          prompt_tokens=memory.prompt_tokens(exp.rollout),
                          decode_dtype=dtypes["decode"], update_dtype=dtypes["update"],
                          contexts=(exp.rollout.context, max(
@@ -242,7 +241,7 @@ def memory_plan(exp, log=metrics_lib.say) -> list:
     try:
         memory.check(phases, capacity, where)
     except memory.MemoryPlanError as e:
-        if c.trainer.get("memory_check", True):
+        if run.trainer.memory_check:
             raise
         if jax.process_index() == 0:
             log(f"warning: {e} (trainer.memory_check=False: going on)")
@@ -251,7 +250,7 @@ def memory_plan(exp, log=metrics_lib.say) -> list:
 
 def log_start(exp, build_s: float, log) -> None:
     """The run's first lines: what was built, on which devices and mesh."""
-    c = exp.config
+    batch = exp.run.batch
     batch_envs = (",".join(f"{t}:{g}" for t, g in exp.mix) if len(exp.mix) > 1
                   else exp.mix[0][0])
     cfg = exp.policy.cfg
@@ -259,7 +258,7 @@ def log_start(exp, build_s: float, log) -> None:
                 f"adapter weights train" if cfg.lora_rank else "")
     log(f"built in {build_s:.1f} s: {exp.policy.source} "
         f"({cfg.num_params / 1e6:.1f}M params{adapters}), env {batch_envs}, "
-        f"{c.rollout.env_groups}x{c.rollout.group_size} episodes per step, "
+        f"{batch.env_groups}x{batch.group_size} episodes per step, "
         f"{jax.devices()[0].platform} x{jax.device_count()} (mesh data x fsdp x tensor = "
         f"{' x '.join(str(n) for n in exp.mesh.shape.values())}); "
         f"the first step and validation compile (slow)")

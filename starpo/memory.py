@@ -1,7 +1,7 @@
 """A memory plan: the peak device memory of each phase of a run, from its config and the model's
 shape, checked against the device before the first step.
 
-    phases = memory.plan(config, model_cfg, num_devices=8, mesh=(1, 8, 1))
+    phases = memory.plan(run_config.read(config), model_cfg, mesh_shape=(1, 8, 1))
     print(memory.describe(phases, capacity))
     memory.check(phases, capacity)        # MemoryPlanError naming the phase and the knobs
 
@@ -112,8 +112,9 @@ def episode_parts(cfg: ModelConfig, rows: float, slots: int, *, decode_dtype: st
     )
 
 
-def update_parts(config, algo, cfg: ModelConfig, rows: float, micro: float, context: int, *,
-                 update_dtype: str, model_shards: int, attention: str = "cpu") -> tuple:
+def update_parts(model: run_config.ModelSpec, algo, cfg: ModelConfig, rows: float,
+                 micro: float, context: int, *, update_dtype: str, model_shards: int,
+                 attention: str = "cpu") -> tuple:
     """(what, bytes) of the update's working memory beyond the state, per device: `rows` kept
     rows of `context` tokens in micro-batches of `micro` rows; `attention`: the kernels of
     attention over a sequence (`model.kernels`: "cpu", "xla" or "cudnn")."""
@@ -131,9 +132,9 @@ def update_parts(config, algo, cfg: ModelConfig, rows: float, micro: float, cont
         attention = M * H * T * 4
     else:  # the CPU path keeps each block's probabilities; XLA's recomputes [M,H,T,T] scores
         attention = M * H * T * T * 4
-    if not config.model.remat:
+    if not model.remat:
         saved = L * (layer + attention)
-    elif config.model.get("remat_policy", "full") == "save_dense":
+    elif model.remat_policy == "save_dense":
         saved = L * M * T * (D * 4 + dense)
     else:
         saved = L * M * T * D * 4
@@ -150,8 +151,8 @@ def update_parts(config, algo, cfg: ModelConfig, rows: float, micro: float, cont
     )
 
 
-def plan(config, cfg: ModelConfig, *, mesh_shape=(1, 1, 1), prompt_tokens: int = 256,
-         decode_dtype: str = "float32", update_dtype: str = "float32",
+def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
+         prompt_tokens: int = 256, decode_dtype: str = "float32", update_dtype: str = "float32",
          contexts: tuple[int, int] | None = None, attention: str = "cpu") -> list[Phase]:
     """The phases of a run on a (data, fsdp, tensor) mesh, per device. `prompt_tokens`: the
     first turn's prompt length (known once the tokenizer is; 256 is a typical upper value);
@@ -160,18 +161,16 @@ def plan(config, cfg: ModelConfig, *, mesh_shape=(1, 1, 1), prompt_tokens: int =
     `attention`: the update's attention kernels (`model.kernels`; "cudnn" keeps no scores)."""
     data, fsdp, tensor = mesh_shape
     batch_shards, model_shards = data * fsdp, fsdp * tensor
-    r, v = config.rollout, config.val
-    algo = run_config.algo_config(config)
-    settings = run_config.lora_settings(config)
+    r, v, algo, settings = run.batch, run.val.batch, run.algo, run.model.lora
     if settings is not None and not cfg.lora_rank:  # a model shape: the config's adapters
         cfg = cfg.replace(lora_rank=int(settings["rank"]), lora_alpha=float(settings["alpha"]),
                           lora_targets=lora.parse_targets(settings["targets"]))
     state = state_parts(algo, cfg, model_shards, update_dtype)
-    episodes = dict(decode_dtype=decode_dtype, windows=r.get("decode_windows", 1),
+    episodes = dict(decode_dtype=decode_dtype, windows=run.rollout.decode_windows,
                     prompt_tokens=prompt_tokens, model_shards=model_shards)
-    S, S_val = contexts or (r.max_context, r.max_context)
-    train_rows = _played_at_once(r.env_groups * r.group_size, r.get("batch_size", 0))
-    val_rows = _played_at_once(v.env_groups * v.group_size, v.get("batch_size", 0))
+    S, S_val = contexts or (run.rollout.max_context, run.rollout.max_context)
+    train_rows = _played_at_once(r.episodes, r.batch_size)
+    val_rows = _played_at_once(v.episodes, v.batch_size)
     kept = filtering.static_groups(r.env_groups, algo.rollout_filter_ratio,
                                    algo.rollout_filter_strategy) * r.group_size
     micro = min(algo.micro_batch_size, kept)
@@ -182,7 +181,7 @@ def plan(config, cfg: ModelConfig, *, mesh_shape=(1, 1, 1), prompt_tokens: int =
               state + episode_parts(cfg, val_rows / batch_shards, S_val, **episodes),
               ("val.batch_size", "val.env_groups", "rollout.max_context", "mesh.fsdp")),
         Phase("update", state + update_parts(
-            config, algo, cfg, kept / batch_shards, max(micro / batch_shards, 1), S,
+            run.model, algo, cfg, kept / batch_shards, max(micro / batch_shards, 1), S,
             update_dtype=update_dtype, model_shards=model_shards, attention=attention),
               ("algorithm.micro_batch_size", "algorithm.logit_chunk_size", "model.remat",
                "rollout.max_context", "mesh.fsdp")),

@@ -250,32 +250,40 @@ _RANGES = {
 def algo_config(config) -> AlgoConfig:
     """The update's knobs: `config.algorithm` plus group size, temperature, reply budget and
     context window of the rollout."""
+    return _algo(config, context_window(config))
+
+
+def _algo(config, window: int) -> AlgoConfig:
     return AlgoConfig(**config.algorithm.to_dict(), group_size=config.rollout.group_size,
                       temperature=config.rollout.temperature,
-                      response_length=config.rollout.response_length,
-                      context_window=context_window(config))
+                      response_length=config.rollout.response_length, context_window=window)
 
 
 def sft_algo(config) -> AlgoConfig:
     """The run's algorithm knobs with SFT's learning rate and warm-up (no critic, no decay)."""
-    s = config.sft
-    return algo_config(config).replace(
-        adv_estimator="grpo", actor_lr=float(s.lr), warmup_steps=int(s.warmup_steps),
-        lr_decay_steps=0)
+    return _sft_algo(algo_config(config), config.sft)
+
+
+def _sft_algo(algo: AlgoConfig, s) -> AlgoConfig:
+    return algo.replace(adv_estimator="grpo", actor_lr=float(s.lr),
+                        warmup_steps=int(s.warmup_steps), lr_decay_steps=0)
 
 
 # ----------------------------------------------------------------------------- the rollout
 def rollout_spec(config) -> rollout_lib.RolloutSpec:
     """The episode's shape and sampling of `config.rollout` (the training and validation
     rollouts' and the solver demonstrations' alike)."""
-    r = config.rollout
+    return _rollout_spec(config.rollout, phase_dtypes(config)["prefill"], context_window(config))
+
+
+def _rollout_spec(r, prefill_dtype: str, window: int) -> rollout_lib.RolloutSpec:
     return rollout_lib.RolloutSpec(
         max_turn=r.max_turn, max_new_tokens=r.response_length, max_context=r.max_context,
         thinking=r.enable_think, top_k=r.top_k, top_p=r.top_p,
         max_actions_per_turn=r.max_actions_per_turn or None,
         max_actions_per_traj=r.max_actions_per_traj or None,
-        prefill_dtype=phase_dtypes(config)["prefill"], decode_windows=r.get("decode_windows", 1),
-        context_window=context_window(config))
+        prefill_dtype=prefill_dtype, decode_windows=r.get("decode_windows", 1),
+        context_window=window)
 
 
 def batch_size(part) -> int:
@@ -419,3 +427,125 @@ def init_source(config) -> tuple[str, int]:
     if step is None:
         raise ValueError(f"model.init_from {path}: the run has no complete checkpoint")
     return workdir, step
+
+
+# ----------------------------------------------------------------------------- the whole run
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """The episodes a rollout plays per step (`config.rollout`) or per validation (`config.val`)."""
+
+    env_groups: int
+    group_size: int
+    batch_size: int  # episodes played at once as configured (0 = all)
+    chunk: int  # episodes played at once (`batch_size`)
+    temperature: float
+
+    @property
+    def episodes(self) -> int:
+        return self.env_groups * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ValSpec:
+    """`config.val`: the validation sets, their batch and when they play."""
+
+    batch: BatchSpec
+    tags: tuple
+    before_train: bool
+    test_freq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSpec:
+    """`config.trainer`: the RL phase's length, checkpoints, logging and warnings."""
+
+    total_steps: int
+    save_freq: int
+    keep_checkpoints: int
+    log_samples: int
+    context_bucket: int
+    fast_compile: bool
+    memory_check: bool
+    stop_on_collapse: bool
+    empty_stop_steps: int  # trainer.rollout_filter_empty_stop_steps (0 = never)
+    collapse_window: int
+    collapse_mi_freq: int  # 0 = the template-collapse diagnostic is off
+    collapse_mi_samples: int
+    collapse_mi_micro_batch: int
+    collapse_mi_warn: float
+    collapse_mi_multi_turn: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSpec:
+    """`config.sft`: the SFT phase (steps 0 = none) and its algorithm (`sft_algo`)."""
+
+    steps: int
+    env_groups: int
+    actions_per_turn: int
+    test_freq: int
+    save_freq: int
+    algo: AlgoConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """`config.model` as the memory plan and the first lines need it."""
+
+    remat: bool
+    remat_policy: str
+    critic_path: str
+    lora: dict | None  # `lora_settings`
+    dtypes: dict  # `phase_dtypes`: the dtype each phase multiplies in
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A whole run's config, read once (`read`); `config` is the ConfigDict itself, kept as
+    the artefact a run saves (config.json, checkpoints) and compares on resume."""
+
+    config: object
+    seed: int
+    algo: AlgoConfig
+    rollout: rollout_lib.RolloutSpec
+    batch: BatchSpec
+    mix: tuple
+    context_window: int
+    val: ValSpec
+    trainer: TrainerSpec
+    sft: SftSpec
+    model: ModelSpec
+    mesh: tuple  # (data, fsdp, tensor)
+    envs: dict  # tag -> env of every tag the run plays (`make_env`)
+
+
+def _batch(part) -> BatchSpec:
+    return BatchSpec(part.env_groups, part.group_size, part.get("batch_size", 0),
+                     batch_size(part), part.temperature)
+
+
+def _trainer(t) -> TrainerSpec:
+    return TrainerSpec(
+        t.total_steps, t.save_freq, t.keep_checkpoints, t.log_samples, t.context_bucket,
+        t.fast_compile, t.get("memory_check", True), t.stop_on_collapse,
+        t.get("rollout_filter_empty_stop_steps", 0), t.collapse_window,
+        t.get("collapse_mi_freq", 0), t.collapse_mi_samples, t.collapse_mi_micro_batch,
+        t.collapse_mi_warn, t.get("collapse_mi_multi_turn", False))
+
+
+def read(config) -> RunSpec:
+    """The run of a (checked: `config_check.check`) config as typed, frozen specs: each
+    section read once, here."""
+    s, m, v, mesh = config.sft, config.model, config.val, config.mesh
+    window, dtypes = context_window(config), phase_dtypes(config)
+    algo = _algo(config, window)
+    sft = SftSpec(s.steps, s.env_groups, s.actions_per_turn, s.test_freq, s.save_freq,
+                  _sft_algo(algo, s))
+    model = ModelSpec(m.remat, m.get("remat_policy", "full"), m.critic_path,
+                      lora_settings(config), dtypes)
+    mix, val = env_mix(config), ValSpec(_batch(v), val_tags(config), v.before_train, v.test_freq)
+    tags = (config.env.name,) + tuple(t for t, _ in mix) + val.tags
+    rollout = _rollout_spec(config.rollout, dtypes["prefill"], window)
+    return RunSpec(config, config.seed, algo, rollout, _batch(config.rollout), mix, window, val,
+                   _trainer(config.trainer), sft, model, (mesh.data, mesh.fsdp, mesh.tensor),
+                   {tag: make_env(config, tag) for tag in tags})

@@ -43,7 +43,6 @@ from starpo import metrics as metrics_lib
 from starpo import rollout as rollout_lib
 from starpo import run_config, sharding
 from starpo import update as update_lib
-from starpo.precision import phase_dtypes
 from starpo.trajectory import trimmed_length
 
 
@@ -139,32 +138,30 @@ class Phase:
     val_demos: dict | None = None  # `val_demos`, played at the first validation
 
 
-def build(config, exp) -> Phase:
-    """The SFT phase of `config` over `exp` (an `experiment.build` of it)."""
-    config_check.check_sft(config, exp.env)
-    algo = run_config.sft_algo(config)
-    spec = run_config.rollout_spec(config)
-    demo = demos.make_demo_rollout(exp.env, exp.policy.tokenizer, spec,
-                                   config.sft.actions_per_turn)
-    G, env = config.sft.env_groups, exp.env
+def build(spec: run_config.RunSpec, exp) -> Phase:
+    """The SFT phase of `spec` (a `run_config.read`) over `exp` (an `experiment.build` of it)."""
+    config_check.check_sft(spec.config, exp.env)
+    algo = spec.sft.algo
+    demo = demos.make_demo_rollout(exp.env, exp.policy.tokenizer, spec.rollout,
+                                   spec.sft.actions_per_turn)
+    G, env = spec.sft.env_groups, exp.env
     levels = jax.jit(lambda key, seed: rollout_lib.initial_states(
         env, key, seed, rollout_lib.TRAIN, G, 1))
-    cfg = exp.policy.cfg.replace(dtype=phase_dtypes(config)["update"])
+    cfg = exp.policy.cfg.replace(dtype=spec.model.dtypes["update"])
     shardings = update_lib.state_shardings(algo, exp.mesh, exp.policy.cfg)
     init = update_lib.make_init(algo, shardings)
     return Phase(algo, demo, levels, make_step(algo, cfg), shardings, init,
                  make_scorer(algo, cfg))
 
 
-def val_demos(exp, config) -> dict:
+def val_demos(exp, spec: run_config.RunSpec) -> dict:
     """{tag: (Trajectory, metrics, weight)}: the solver's episodes of each validation set's
     levels through the run's dialogue (tags without a solver are left out)."""
     out = {}
-    spec = run_config.rollout_spec(config)
     for tag, vs in exp.val_sets.items():
         try:
-            demo = demos.make_demo_rollout(vs.env, exp.policy.tokenizer, spec,
-                                           config.sft.actions_per_turn)
+            demo = demos.make_demo_rollout(vs.env, exp.policy.tokenizer, spec.rollout,
+                                           spec.sft.actions_per_turn)
         except ValueError:
             continue
         out[tag] = demo(vs.env_state, jax.random.key(0))
@@ -193,7 +190,7 @@ def demo_validation(phase: Phase, exp, params, *, solver: bool = False) -> dict[
     val/<tag>/solver_success, the solver's own success on those levels (SFT's ceiling), and
     val/<tag>/demo_constant, the demo_accuracy of the best state-blind constant reply."""
     if phase.val_demos is None:
-        phase.val_demos = val_demos(exp, exp.config)
+        phase.val_demos = val_demos(exp, exp.run)
     out = {}
     for tag, (traj, m, weight) in phase.val_demos.items():
         vs = exp.val_sets[tag]
@@ -203,7 +200,7 @@ def demo_validation(phase: Phase, exp, params, *, solver: bool = False) -> dict[
             out[f"val/{tag}/demo_constant"] = constant_accuracy(traj, weight)
         lengths = sharding.to_host(traj.length)
         trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1],
-                                 exp.config.trainer.context_bucket)
+                                 exp.run.trainer.context_bucket)
         nll, tokens, exact, replies = (float(x) for x in sharding.to_host(
             phase.scorer(params, traj.truncate(trained), weight)))
         out[f"val/{tag}/demo_nll"] = nll / max(tokens, 1.0)
@@ -213,13 +210,14 @@ def demo_validation(phase: Phase, exp, params, *, solver: bool = False) -> dict[
 
 def train_step(phase: Phase, exp, state, step: int):
     """One SFT step on the levels of seeds step * sft.env_groups ..: (state, scalars)."""
-    c = exp.config
+    spec = exp.run
     t0 = time.perf_counter()
-    key = jax.random.fold_in(jax.random.key(c.seed), step)
-    env_state, _ = phase.levels(jax.random.key(c.seed), jnp.int32(step * c.sft.env_groups))
+    key = jax.random.fold_in(jax.random.key(spec.seed), step)
+    env_state, _ = phase.levels(jax.random.key(spec.seed), jnp.int32(step * spec.sft.env_groups))
     traj, m, weight = phase.demo(env_state, key)
     lengths = sharding.to_host(traj.length)
-    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1], c.trainer.context_bucket)
+    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1],
+                             spec.trainer.context_bucket)
     t1 = time.perf_counter()
     state, um = phase.step(state, traj.truncate(trained), weight)
     out = {k: float(v) for k, v in sharding.to_host(um).items()}
@@ -243,27 +241,27 @@ def summary_line(n: int, total: int, s: dict) -> str:
     return " | ".join(p for p in parts if p)
 
 
-def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
+def run(spec: run_config.RunSpec, workdir: str, exp, phase: Phase, *, progress: bool = True,
         log=metrics_lib.say, stop_after: int | None = None):
-    """Run (or resume, or find finished) the SFT phase `phase` (a `build(config, exp)`) in
+    """Run (or resume, or find finished) the SFT phase `phase` (a `build(spec, exp)`) in
     `workdir`; returns the trained actor params, or None after `stop_after` steps of this call
     (checkpoint saved). Raises `harness.Stopped` on SIGTERM / Ctrl-C (checkpoint saved)."""
-    total = config.sft.steps
+    total, s = spec.sft.steps, spec.sft
     log, progress = harness.lead_only(log, progress)
-    resuming = harness.check_workdir(workdir, config)
-    ckpt = harness.open_checkpoints(workdir, config)
+    resuming = harness.check_workdir(workdir, spec.config)
+    ckpt = harness.open_checkpoints(workdir, spec.trainer.keep_checkpoints)
     if not resuming and jax.process_index() == 0:
-        harness.write_config(workdir, config)
+        harness.write_config(workdir, spec.config)
     state, start = _resume(phase, exp, ckpt, resuming)
     if start >= total:
         log(f"sft: {workdir} finished ({start} steps)")
         ckpt.close()
         return state.actor_params
-    log(f"sft: {total} steps of {config.sft.env_groups} solver demonstrations in {workdir}"
+    log(f"sft: {total} steps of {s.env_groups} solver demonstrations in {workdir}"
         + (f" (resuming from step {start})" if start else ""))
     writer = harness.metrics_writer(workdir, start)
     with harness.Stop() as stop:
-        if start == 0 and config.val.before_train:
+        if start == 0 and spec.val.before_train:
             scalars = {**demo_validation(phase, exp, state.actor_params, solver=True),
                        **experiment_lib.validate(exp, state.actor_params, writer, 0)}
             writer.write(0, scalars)
@@ -273,7 +271,7 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
         for step in bar:
             state, scalars = train_step(phase, exp, state, step)
             n = step + 1
-            f = config.sft.test_freq
+            f = s.test_freq
             if (f > 0 and n % f == 0) or (n == total and f > 0):
                 scalars.update(experiment_lib.validate(exp, state.actor_params, writer, n))
                 scalars.update(demo_validation(phase, exp, state.actor_params))
@@ -283,8 +281,8 @@ def run(config, workdir: str, exp, phase: Phase, *, progress: bool = True,
             stoppers = harness.asked_to_stop(stop)
             end = n == total or bool(stoppers) or (stop_after is not None
                                                    and done_here >= stop_after)
-            if end or (config.sft.save_freq > 0 and n % config.sft.save_freq == 0):
-                _save(ckpt, config, n, state)
+            if end or (s.save_freq > 0 and n % s.save_freq == 0):
+                _save(ckpt, spec.config, n, state)
             if end:
                 break
         bar.close()
@@ -320,10 +318,11 @@ def train_only(config, workdir: str, *, progress: bool = True, log=metrics_lib.s
                                      f"{config.sft.steps}")
     harness.check_workdir(workdir, config)
     t0 = time.perf_counter()
-    exp = experiment_lib.build(config)
+    spec = run_config.read(config)
+    exp = experiment_lib.build(spec)
     harness.memory_plan(exp, log)
-    phase = build(config, exp)
+    phase = build(spec, exp)
     with jax.set_mesh(exp.mesh):
         if jax.process_index() == 0:
             harness.log_start(exp, time.perf_counter() - t0, log)
-        return run(config, workdir, exp, phase, progress=progress, log=log)
+        return run(spec, workdir, exp, phase, progress=progress, log=log)

@@ -36,7 +36,6 @@ from starpo import model as model_lib
 from starpo import rollout as rollout_lib
 from starpo import run_config, sft, sharding
 from starpo import update as update_lib
-from starpo.precision import phase_dtypes
 from starpo.trajectory import trimmed_length
 
 
@@ -64,15 +63,16 @@ def play_batch(exp: experiment_lib.Experiment, params, key, seed_counter: int):
     whose `algorithm.filter_groups_metric` differs (or of one episode) are found or
     filter_groups_max_num_gen_batches were played, the batch then filled as
     `filtering.fill_groups` says (same shapes whatever was found)."""
-    c, algo = exp.config, exp.algo
-    G, gs = c.rollout.env_groups, c.rollout.group_size
+    run, algo = exp.run, exp.algo
+    G, gs = run.batch.env_groups, run.batch.group_size
     played, kept = [], []
     while True:
         k = key if not played else jax.random.fold_in(jax.random.fold_in(key, 2**20), len(played))
-        env_state, group_id = exp.initial_states(jax.random.key(c.seed), jnp.int32(seed_counter))
+        env_state, group_id = exp.initial_states(jax.random.key(run.seed),
+                                                 jnp.int32(seed_counter))
         seed_counter += G
         played.append(exp.run_rollout(params, k, env_state, group_id,
-                                      jnp.float32(c.rollout.temperature)))
+                                      jnp.float32(run.batch.temperature)))
         if not algo.filter_groups_enable:
             return played[0], seed_counter, {}
         traj = played[-1][0]
@@ -99,21 +99,22 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
     batch's collapse/ scalars, scored with the params that sampled it, before the update.
     peaks: also memory/rollout_peak_gb and memory/update_peak_gb, the device's measured peak
     so far after each (read where the step waits for them anyway; none on CPU)."""
-    c = exp.config
+    run = exp.run
     t0 = time.perf_counter()
-    k_roll, k_update = step_keys(c.seed, step)
+    k_roll, k_update = step_keys(run.seed, step)
     if seed_counter is None:
-        seed_counter = step * c.rollout.env_groups
+        seed_counter = step * run.batch.env_groups
     (traj, m), seed_counter, dyn = play_batch(exp, state.actor_params, k_roll, seed_counter)
     traj = jax.block_until_ready(traj)
     t1 = time.perf_counter()
     measured = {"rollout": memory.device_peak()} if peaks else {}
     lengths = sharding.to_host(traj.length)  # [B]: the one host transfer before the update
-    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1], c.trainer.context_bucket)
+    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1],
+                             run.trainer.context_bucket)
     diagnostic = {}
     t_update = t1
     if template is not None and template.due(step + 1):  # the update donates the params
-        diagnostic = template(state.actor_params, traj, c.seed, step + 1)
+        diagnostic = template(state.actor_params, traj, run.seed, step + 1)
         diagnostic["timing/collapse"] = time.perf_counter() - t1
         t_update = time.perf_counter()
     # a KL term's reference is the policy the RL phase started from (the model, `init_from`'s
@@ -137,17 +138,17 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
 def _batch_scalars(exp: experiment_lib.Experiment, traj, metrics, lengths, trained: int,
                    times) -> dict:
     """The batch's train/<tag>/ summaries, its timings (rollout, update, step) and throughput."""
-    c = exp.config
+    batch = exp.run.batch
     t_roll, t_update, t_step = times
     out = {f"train/{name}": value for name, value in evaluate.summarize_mix(
-        traj, metrics, exp.mix, c.rollout.group_size).items()}
+        traj, metrics, exp.mix, batch.group_size).items()}
     generated = sum(out[f"train/{tag}/generated_tokens"] for tag, _ in exp.mix)
     # real tokens through the update's forward+backward passes: k mini-batches of `mini` of the
     # N kept rows (the old-log-prob forward is in the time, not in the count)
     # the filter's own count (at least one group), not a second copy of its formula
-    kept = filtering.static_groups(c.rollout.env_groups, exp.algo.rollout_filter_ratio,
+    kept = filtering.static_groups(batch.env_groups, exp.algo.rollout_filter_ratio,
                                    exp.algo.rollout_filter_strategy)
-    N = kept * c.rollout.group_size
+    N = kept * batch.group_size
     mini, k = update_lib.num_updates(exp.algo, N)
     kept_tokens = float(lengths.sum()) * N / traj.tokens.shape[0]
     out.update({
@@ -159,20 +160,20 @@ def _batch_scalars(exp: experiment_lib.Experiment, traj, metrics, lengths, train
     return out
 
 
-def template_collapse(config, exp: experiment_lib.Experiment):
+def template_collapse(run: run_config.RunSpec, exp: experiment_lib.Experiment):
     """RAGEN-2's template-collapse diagnostic of a run (starpo/collapse.py), or None when
     `trainer.collapse_mi_freq` is 0 (nothing built, nothing run). It scores with the update's
     model (dtype, logit chunks, temperature) in micro-batches of `collapse_mi_micro_batch`."""
-    t = config.trainer  # the run's (its knobs may differ from those `exp` was built with)
-    if t.get("collapse_mi_freq", 0) <= 0 or run_config.context_window(config):
+    t = run.trainer  # the run's (its knobs may differ from those `exp` was built with)
+    if t.collapse_mi_freq <= 0 or run.context_window:
         return None  # RAGEN-2 computes nothing under a context window either
     return collapse_lib.TemplateCollapse(
-        exp.policy.cfg.replace(dtype=phase_dtypes(exp.config)["update"]),
+        exp.policy.cfg.replace(dtype=exp.run.model.dtypes["update"]),
         exp.policy.tokenizer.token_bytes(), freq=t.collapse_mi_freq,
         samples=t.collapse_mi_samples, micro=t.collapse_mi_micro_batch,
-        thinking=config.rollout.enable_think, chunk=exp.algo.logit_chunk_size,
+        thinking=run.rollout.thinking, chunk=exp.algo.logit_chunk_size,
         temperature=exp.algo.temperature, compiler_options=exp.compiler_options,
-        multi_turn=t.get("collapse_mi_multi_turn", False))
+        multi_turn=t.collapse_mi_multi_turn)
 
 
 
@@ -189,34 +190,35 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     # a bad value, model, env or workdir fails before anything is written
     config_check.check(config)
     resuming = harness.check_workdir(workdir, config)
+    run = run_config.read(config)  # the one reading: what follows takes its typed parts
     t_build = time.perf_counter()
-    exp = experiment or experiment_lib.build(config)
+    exp = experiment or experiment_lib.build(run)
     # a run that cannot fit stops here, before any step
     planned = {p.name: p.total for p in harness.memory_plan(exp, log)}
     phase = None
-    if config.sft.steps > 0:  # its demonstrations' replies must fit, before anything is written
-        phase = sft.build(config, exp)
+    if run.sft.steps > 0:  # its demonstrations' replies must fit, before anything is written
+        phase = sft.build(run, exp)
         harness.check_workdir(os.path.join(workdir, "sft"), config)
-    ckpt = harness.open_checkpoints(workdir, config)
+    ckpt = harness.open_checkpoints(workdir, run.trainer.keep_checkpoints)
     with jax.set_mesh(exp.mesh):  # programs trace with the mesh's activation shardings
         if phase is not None:
             ran_sft = ckpt.latest_step() is None
-            exp = _after_sft(config, workdir, exp, phase, ckpt, progress, log, stop_after)
+            exp = _after_sft(run, workdir, exp, phase, ckpt, progress, log, stop_after)
             if exp is None:  # stopped after stop_after steps: the same call resumes it
                 return {}
             if ran_sft:
                 t_build = time.perf_counter()
-        loop = _Loop(config, workdir, exp, ckpt, log, planned)
+        loop = _Loop(run, workdir, exp, ckpt, log, planned)
         return loop.run(resuming, t_build, progress, stop_after)
 
 
-def _after_sft(config, workdir, exp, phase, ckpt, progress, log, stop_after):
+def _after_sft(run, workdir, exp, phase, ckpt, progress, log, stop_after):
     """`exp` starting from where the SFT phase in <workdir>/sft ends: the phase is run (or
     resumed) first where RL has no checkpoint yet; a resumed RL run needs its KL reference
     alone from it. None where the phase stopped after `stop_after` steps (checkpoint saved)."""
     if ckpt.latest_step() is None:
         try:
-            params = sft.run(config, os.path.join(workdir, "sft"), exp, phase,
+            params = sft.run(run, os.path.join(workdir, "sft"), exp, phase,
                              progress=progress, log=log, stop_after=stop_after)
         except harness.Stopped:  # SIGTERM during SFT: its checkpoint is saved; RL has not begun
             ckpt.close()
@@ -236,30 +238,31 @@ def _after_sft(config, workdir, exp, phase, ckpt, progress, log, stop_after):
 class _Loop:
     """The RL phase's steps in its workdir: resume, validate, step, warn, checkpoint, stop."""
 
-    def __init__(self, config, workdir, exp, ckpt, log, planned=None):
-        self.config, self.workdir, self.exp, self.ckpt = config, workdir, exp, ckpt
+    def __init__(self, run: run_config.RunSpec, workdir, exp, ckpt, log, planned=None):
+        self.run_spec, self.workdir, self.exp, self.ckpt = run, workdir, exp, ckpt
+        self.trainer = run.trainer
         self.log = log
         self.planned = planned or {}
         # the device's measured peak after each phase's first run in this process (a host call
         # where the loop waits anyway; nothing on CPU, whose backend reports no peak)
         self.unmeasured = {"validation", "train"}
-        self.detector = metrics_lib.CollapseDetector(window=config.trainer.collapse_window)
+        self.detector = metrics_lib.CollapseDetector(window=run.trainer.collapse_window)
         self.state, self.start, self.counter = None, 0, 0
         self.writer = None
         self.empty = 0  # steps in a row whose rollout filter kept no group
 
     def run(self, resuming, t_build, progress, stop_after) -> dict:
         """The run from its start or its latest checkpoint; returns the last logged scalars."""
-        config = self.config
+        spec, t = self.run_spec, self.trainer
         self.log, progress = harness.lead_only(self.log, progress)
         if not resuming and jax.process_index() == 0:
-            harness.write_config(self.workdir, config)
+            harness.write_config(self.workdir, spec.config)
         self._resume(resuming)
         self.writer = harness.metrics_writer(self.workdir, self.start)
         harness.log_start(self.exp, time.perf_counter() - t_build, self.log)
-        total, last = config.trainer.total_steps, {}
+        total, last = t.total_steps, {}
         with harness.Stop() as stop:
-            if self.start == 0 and config.val.before_train:
+            if self.start == 0 and spec.val.before_train:
                 last = self._validate(0, self.log)
                 self.writer.write(0, last)
                 self.log(metrics_lib.summary_line(0, total, last, self._keys()))
@@ -272,7 +275,7 @@ class _Loop:
                 stoppers = harness.asked_to_stop(stop)
                 end = (n == total or bool(stoppers) or warned_stop
                        or (stop_after is not None and done_here >= stop_after))
-                if end or (config.trainer.save_freq > 0 and n % config.trainer.save_freq == 0):
+                if end or (t.save_freq > 0 and n % t.save_freq == 0):
                     self._save(n)
                 if end:
                     break
@@ -283,7 +286,7 @@ class _Loop:
         return last
 
     def _keys(self):
-        return metrics_lib.summary_keys(self.config.rollout.group_size)
+        return metrics_lib.summary_keys(self.run_spec.batch.group_size)
 
     def _resume(self, resuming) -> None:
         """The state, first step, level seed counter and collapse detector of the latest
@@ -295,15 +298,15 @@ class _Loop:
             self.state = update_lib.join_state(state, experiment_lib.frozen_params(exp))
             self.start = int(meta["step"])
             self.counter = int(meta.get("env_seed_counter",
-                                        self.start * self.config.rollout.env_groups))
+                                        self.start * self.run_spec.batch.env_groups))
             self.detector.load_state_dict(meta["collapse_detector"])
             self.log(f"resuming {self.workdir} from step {self.start}")
         else:
             self.state, self.counter = experiment_lib.initial_train_state(exp), 0
 
     def _template(self):
-        template = template_collapse(self.config, self.exp)
-        if template is None and self.config.trainer.get("collapse_mi_freq", 0) > 0:
+        template = template_collapse(self.run_spec, self.exp)
+        if template is None and self.trainer.collapse_mi_freq > 0:
             self.log("note: trainer.collapse_mi_freq: the template-collapse diagnostic runs "
                      "only with rollout.context_window_mode=full (as RAGEN-2's): off for this run")
         return template
@@ -321,7 +324,7 @@ class _Loop:
     def _step(self, step: int, template, say):
         """One step, its validation, metrics and warnings: (steps done, its scalars, whether
         a warning stops the run here)."""
-        config = self.config
+        spec = self.run_spec
         first = "train" in self.unmeasured
         self.unmeasured.discard("train")
         self.state, scalars = train_step(self.exp, self.state, step, self.counter, template,
@@ -331,18 +334,18 @@ class _Loop:
         self.counter = int(scalars["env/seed_counter"])
         n = step + 1
         stop = self._flag(scalars)
-        if config.val.test_freq > 0 and n % config.val.test_freq == 0:
+        if spec.val.test_freq > 0 and n % spec.val.test_freq == 0:
             scalars.update(self._validate(n, say))
         self.writer.write(n, scalars)
-        say(metrics_lib.summary_line(n, config.trainer.total_steps, scalars, self._keys()))
+        say(metrics_lib.summary_line(n, spec.trainer.total_steps, scalars, self._keys()))
         self._warn(n, scalars, say)
         return n, scalars, stop
 
     def _flag(self, scalars: dict) -> bool:
         """The step's warning/ scalars (Echo Trap, template collapse, empty filter); whether
         one of them stops the run (`trainer.stop_on_collapse`, the empty-filter limit)."""
-        t = self.config.trainer
-        std_name = metrics_lib.reward_std_name(self.config.rollout.group_size)
+        t = self.trainer
+        std_name = metrics_lib.reward_std_name(self.run_spec.batch.group_size)
         collapse = self.detector.update(scalars.get(std_name, float("nan")),
                                         scalars.get("actor/entropy", float("nan")))
         scalars["warning/echo_trap"] = float(collapse)
@@ -353,11 +356,11 @@ class _Loop:
         # row stops the run
         self.empty = self.empty + 1 if scalars.get("rollout/kept_groups", 1.0) == 0 else 0
         scalars["rollout/consecutive_empty_after_filter_steps"] = float(self.empty)
-        limit = t.get("rollout_filter_empty_stop_steps", 0)
+        limit = t.empty_stop_steps
         return bool((collapse and t.stop_on_collapse) or 0 < limit <= self.empty)
 
     def _warn(self, n: int, scalars: dict, say) -> None:
-        t = self.config.trainer
+        t = self.trainer
         if scalars["warning/echo_trap"]:
             say(f"warning: step {n}: reward std and entropy both fell sharply (Echo Trap); "
                 "consider a lower lr, the StarPO-S filter or a critic")
@@ -367,13 +370,13 @@ class _Loop:
                 f"token < trainer.collapse_mi_warn {t.collapse_mi_warn}, "
                 f"retrieval {scalars['collapse/retrieval_accuracy']:.2f} vs chance "
                 f"{scalars['collapse/retrieval_chance_level']:.2f})")
-        limit = t.get("rollout_filter_empty_stop_steps", 0)
+        limit = t.empty_stop_steps
         if 0 < limit <= self.empty:
             say(f"warning: step {n}: the rollout filter kept no group {self.empty} steps in a "
                 f"row (trainer.rollout_filter_empty_stop_steps={limit}): stopping")
 
     def _save(self, step: int) -> None:  # a LoRA run's checkpoint holds what trains, not its base
         self.ckpt.save(step, update_lib.split_state(self.state)[0], {
-            "step": step, "env_seed_counter": self.counter, "seed": self.config.seed,
-            "config": json.loads(harness.config_json(self.config)),
+            "step": step, "env_seed_counter": self.counter, "seed": self.run_spec.seed,
+            "config": json.loads(harness.config_json(self.run_spec.config)),
             "collapse_detector": self.detector.state_dict()})

@@ -132,11 +132,46 @@ def join_state(state: TrainState, frozen) -> TrainState:
                          critic_params=lora.join(state.critic_params, frozen[1]))
 
 
+def _on_state(program, state, *args):
+    """program(trainable, frozen, *args) called as fn(state, *args) is (`jit_state_fn`)."""
+    trainable, frozen = split_state(state)
+    new, out = program(trainable, frozen, *args)
+    return join_state(new, frozen), out
+
+
+class _Compiled:
+    """A `jit_state_fn`'s compiled program, called as the function is: (state, *args); its
+    other attributes (memory_analysis, as_text, ...) are XLA's program's."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, state, *args):
+        return _on_state(self.compiled, state, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+class _Lowered:
+    """A `jit_state_fn`'s lowered program, whose `compile()` is called with the whole state."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def compile(self, *args, **kwargs) -> _Compiled:
+        return _Compiled(self.lowered.compile(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self.lowered, name)
+
+
 def jit_state_fn(fn, out_shardings=None, **jit_kwargs):
     """jit(fn) for fn(state, *args) -> (state, out), donating the state's trainable part only:
     frozen weights go in undonated and the result holds the very same buffers (so the actor,
     its critic copy and a KL reference can share one copy of a LoRA base). `out_shardings`:
-    (state shardings, out's). The result's `.lower(state, *args)` lowers the program."""
+    (state shardings, out's). The result's `.lower(state, *args).compile()` is the program
+    ahead of time, called with the same arguments as the result."""
     def inner(trainable, frozen, *args):
         state, out = fn(join_state(trainable, frozen), *args)
         return split_state(state)[0], out
@@ -146,11 +181,9 @@ def jit_state_fn(fn, out_shardings=None, **jit_kwargs):
     jitted = jax.jit(inner, donate_argnums=0, out_shardings=out_shardings, **jit_kwargs)
 
     def call(state, *args):
-        trainable, frozen = split_state(state)
-        new, out = jitted(trainable, frozen, *args)
-        return join_state(new, frozen), out
+        return _on_state(jitted, state, *args)
 
-    call.lower = lambda state, *args: jitted.lower(*split_state(state), *args)
+    call.lower = lambda state, *args: _Lowered(jitted.lower(*split_state(state), *args))
     return call
 
 

@@ -27,6 +27,21 @@ def test_update_benchmark_reports_params_device_dtype_and_memory():
     assert out["mfu"] > 0 and out["peak_source"]
 
 
+def test_train_step_benchmark_runs_its_phases_ahead_of_time():
+    """benchmarks/train_step.py on Bandit's tiny run: each phase compiled ahead of time and run
+    on the same data (the update's program is called with the whole TrainState, as the update
+    is), and the last line one JSON object with every phase's seconds and the memory plan."""
+    p = subprocess.run([sys.executable, "-m", "benchmarks.train_step",
+                        "--config=configs/bandit.py:tiny", "--config.trainer.fast_compile=True"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(out["phase_s"]) == {"rollout", "old_logprobs", "adv_filter", "ppo_updates"}
+    assert set(out["compile_s"]) == {"rollout", "old_logprobs", "prepare", "update"}
+    assert out["episodes"] == 64 and out["iteration_s"] > 0
+    assert set(out["memory_gb"]["plan"]) == {"rollout", "validation", "update"}
+
+
 def test_decode_bound_is_the_bytes_a_step_reads_over_the_bandwidth():
     """The rollout's memory-bandwidth bound, by hand: weights once per step plus each row's
     filled cache (2 x layers x kv heads x head dim values per slot)."""

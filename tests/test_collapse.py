@@ -238,9 +238,9 @@ def test_trajectory_sample_scores_every_pair_against_every_pair_prompt():
 def test_no_diagnostic_under_a_context_window():
     """RAGEN-2 computes no collapse figures unless the whole dialogue is in context."""
     from configs import frozenlake
-    from starpo import training
+    from starpo import run_config, training
 
     c = frozenlake.get_config("tiny")
     c.trainer.collapse_mi_freq = 5
     c.rollout.context_window_mode, c.rollout.max_context_window = "limited", 2
-    assert training.template_collapse(c, None) is None
+    assert training.template_collapse(run_config.read(c), None) is None

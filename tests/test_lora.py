@@ -229,9 +229,9 @@ def test_the_memory_plan_counts_a_shared_bfloat16_base_and_float32_adapters():
     cfg = model_lib.ModelConfig(vocab_size=1000, hidden_size=64, num_layers=3, num_heads=4,
                                 num_kv_heads=2, head_dim=16, intermediate_size=128)
     full = {p.name: dict(p.parts) for p in memory.plan(
-        bandit.get_config(), cfg, update_dtype="bfloat16")}["update"]
+        run_config.read(bandit.get_config()), cfg, update_dtype="bfloat16")}["update"]
     adapted = {p.name: dict(p.parts) for p in memory.plan(
-        config, cfg, update_dtype="bfloat16")}["update"]
+        run_config.read(config), cfg, update_dtype="bfloat16")}["update"]
     # by hand: rank 64 on q k v o gate up down of 3 layers
     D, F, q, kv = 64, 128, 64, 32
     per_layer = 64 * ((D + q) + 2 * (D + kv) + (q + D) + 2 * (D + F) + (F + D))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs import bandit
-from starpo import experiment, harness, memory
+from starpo import experiment, harness, memory, run_config
 from tests.test_training import with_changes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +107,10 @@ def test_a_config_that_cannot_fit_stops_with_one_line(tmp_path):
     assert not workdir.exists()
 
 
+def _plan(config, cfg, **kwargs):
+    return memory.plan(run_config.read(config), cfg, **kwargs)
+
+
 def test_phases_scale_as_the_knobs_say():
     """Hand-checked parts: the KV cache is 2 x L x B x K x S x E x bytes, x1.5 in the loop;
     FSDP over 8 devices divides the state by 8; halving the validation set halves its cache,
@@ -117,20 +121,20 @@ def test_phases_scale_as_the_knobs_say():
                       num_kv_heads=3, head_dim=64, intermediate_size=1536)  # SmolLM2-135M
     config = with_changes(bandit.get_config(), val__env_groups=256, val__batch_size=0,
                           rollout__env_groups=1)
-    one = {p.name: dict(p.parts) for p in memory.plan(config, cfg, prompt_tokens=100)}
+    one = {p.name: dict(p.parts) for p in _plan(config, cfg, prompt_tokens=100)}
     cache = one["validation"]["KV cache (held ~1.5x in the loop)"]
     assert cache == pytest.approx(1.5 * 2 * 30 * 256 * 3 * 3600 * 64 * 4)
-    eight = {p.name: dict(p.parts) for p in memory.plan(config, cfg, mesh_shape=(1, 8, 1),
-                                                        prompt_tokens=100)}
+    eight = {p.name: dict(p.parts) for p in _plan(config, cfg, mesh_shape=(1, 8, 1),
+                                                  prompt_tokens=100)}
     assert eight["update"]["actor AdamW moments"] == one["update"]["actor AdamW moments"] / 8
     half = with_changes(config, val__env_groups=128)
-    halved = {p.name: dict(p.parts) for p in memory.plan(half, cfg, prompt_tokens=100)}
+    halved = {p.name: dict(p.parts) for p in _plan(half, cfg, prompt_tokens=100)}
     assert halved["validation"]["KV cache (held ~1.5x in the loop)"] == cache / 2
     chunked = with_changes(config, val__batch_size=64)  # 64 of the 256 episodes at a time
-    quarter = {p.name: dict(p.parts) for p in memory.plan(chunked, cfg, prompt_tokens=100)}
+    quarter = {p.name: dict(p.parts) for p in _plan(chunked, cfg, prompt_tokens=100)}
     assert quarter["validation"]["KV cache (held ~1.5x in the loop)"] == cache / 4
     with pytest.raises(memory.MemoryPlanError, match="validation.*val.env_groups"):
-        memory.check(memory.plan(config, cfg, prompt_tokens=100), 24e9)
+        memory.check(_plan(config, cfg, prompt_tokens=100), 24e9)
 
 
 def test_the_plan_command_prints_the_table_for_known_shapes():

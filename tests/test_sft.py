@@ -155,7 +155,8 @@ def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path, capfd):
     straight = str(tmp_path / "straight")
     capfd.readouterr()
     with jax.set_mesh(exp.mesh):
-        sft.run(config, straight, exp, sft.build(config, exp), progress=True)
+        run = run_config.read(config)
+        sft.run(run, straight, exp, sft.build(run, exp), progress=True)
     out, err = capfd.readouterr()
     steps = [s.split(" |")[0] for s in out.splitlines() if s.startswith("sft ")]
     assert "\r" not in out + err and steps == [f"sft {n}/24" for n in range(25)], (out, err)
@@ -245,7 +246,7 @@ def test_held_out_demonstrations_are_scored_token_by_token(lake):
     # a half-trained model, so that some replies are right and some are not
     trained = with_changes(config, sft__steps=1, sft__lr=3e-3)
     exp = experiment.build(trained, policy)
-    phase = sft.build(trained, exp)
+    phase = sft.build(run_config.read(trained), exp)
     state = phase.init(policy.params)
     for step in range(3):
         state, _ = sft.train_step(phase, exp, state, step)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from configs import bandit
-from starpo import checkpoint, experiment, metrics, training, weights
+from starpo import checkpoint, experiment, metrics, run_config, training, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,7 +143,7 @@ def test_template_collapse_metrics_are_logged_on_ragen2s_steps(bandit_run, tmp_p
     With a threshold no MI estimate reaches, the warning fires on every step whose prompts
     differ, and its line is printed."""
     config, exp = bandit_run
-    assert training.template_collapse(config, exp) is None
+    assert training.template_collapse(run_config.read(config), exp) is None
     config = with_changes(config, trainer__total_steps=3, trainer__collapse_mi_freq=2,
                           trainer__collapse_mi_samples=16, trainer__collapse_mi_warn=100.0,
                           val__before_train=False, val__test_freq=0)
