@@ -494,7 +494,7 @@ def _play_episodes(setup: _Setup, policy: Policy, pstate, env_states, group_id, 
 
 
 # ------------------------------------------------------------------------------ levels
-@functools.partial(jax.jit, static_argnames=("env", "stream", "env_groups", "group_size"))
+@functools.partial(jax.jit, static_argnames=("env", "env_groups", "group_size"))
 def initial_states(env, key, seed, stream, env_groups, group_size):
     """One reset per group (key from stream and seed + group index), repeated group_size times.
     Returns (env state [env_groups * group_size], group_id: each row's group seed). One

@@ -176,7 +176,6 @@ def test_play_batch_gathers_kept_groups_across_batches_as_verl(metric, max_batch
     import types
 
     import jax
-    import ml_collections
 
     from starpo import sharding, training
 
@@ -208,12 +207,12 @@ def test_play_batch_gathers_kept_groups_across_batches_as_verl(metric, max_batch
             tag=jnp.zeros(B, jnp.int32), length=jnp.full(B, T, jnp.int32))
         return traj, {"success": jnp.asarray(success)}  # per row, as the rollout's
 
-    config = ml_collections.ConfigDict(dict(
-        seed=0, rollout=dict(env_groups=G, group_size=gs, temperature=1.0)))
+    run = types.SimpleNamespace(seed=0, batch=types.SimpleNamespace(
+        env_groups=G, group_size=gs, temperature=1.0))
     algo = RC.AlgoConfig(group_size=gs, filter_groups_enable=True, filter_groups_metric=metric,
                          filter_groups_max_num_gen_batches=max_batches)
     exp = types.SimpleNamespace(
-        config=config, algo=algo, run_rollout=rollout, mesh=sharding.make_mesh(),
+        run=run, algo=algo, run_rollout=rollout, mesh=sharding.make_mesh(),
         initial_states=lambda key, counter: (int(counter) + np.arange(G),
                                              np.repeat(np.arange(G), gs)))
 

@@ -24,7 +24,7 @@ LOCAL = {"starpo", "envs", "launch", "configs", "tests", "benchmarks", "experime
 # are absent from the newcomer's venv), so their distribution cannot be looked up: import name ->
 # distribution name, checked against the optional requirements file.
 KNOWN = {"torch": "torch", "accelerate": "accelerate", "gymnasium": "gymnasium",
-         "gym_sokoban": "gym-sokoban", "matplotlib": "matplotlib"}
+         "gym_sokoban": "gym-sokoban", "matplotlib": "matplotlib", "coverage": "coverage"}
 OPTIONAL = ("requirements-crosscheck.txt", "requirements-notebook.txt")
 
 
