@@ -169,8 +169,7 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     episodes = dict(decode_dtype=decode_dtype, windows=run.rollout.decode_windows,
                     prompt_tokens=prompt_tokens, model_shards=model_shards)
     S, S_val = contexts or (run.rollout.max_context, run.rollout.max_context)
-    train_rows = _played_at_once(r.episodes, r.batch_size)
-    val_rows = _played_at_once(v.episodes, v.batch_size)
+    train_rows, val_rows = r.chunk, v.chunk  # episodes played at once
     kept = filtering.static_groups(r.env_groups, algo.rollout_filter_ratio,
                                    algo.rollout_filter_strategy) * r.group_size
     micro = min(algo.micro_batch_size, kept)
@@ -199,10 +198,6 @@ def prompt_chunks(rollout) -> list[tuple[int, int]]:
 def prompt_tokens(rollout) -> int:
     """The longest chunk a rollout appends at once (the prefill scores grow with it)."""
     return max(max(chunks) for chunks in prompt_chunks(rollout))
-
-
-def _played_at_once(total: int, batch_size: int) -> int:
-    return batch_size if 0 < batch_size < total else total
 
 
 def describe(phases: list[Phase], capacity: float | None, where: str = "device") -> str:

@@ -436,8 +436,7 @@ class BatchSpec:
 
     env_groups: int
     group_size: int
-    batch_size: int  # episodes played at once as configured (0 = all)
-    chunk: int  # episodes played at once (`batch_size`)
+    chunk: int  # episodes played at once (`batch_size`: rollout/val.batch_size, 0 = all)
     temperature: float
 
     @property
@@ -520,8 +519,7 @@ class RunSpec:
 
 
 def _batch(part) -> BatchSpec:
-    return BatchSpec(part.env_groups, part.group_size, part.get("batch_size", 0),
-                     batch_size(part), part.temperature)
+    return BatchSpec(part.env_groups, part.group_size, batch_size(part), part.temperature)
 
 
 def _trainer(t) -> TrainerSpec:

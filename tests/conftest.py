@@ -1,9 +1,11 @@
 """Shared fixtures: tiny configs with random Hugging Face-layout weights, and the real model."""
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -156,9 +158,6 @@ if _PROFILE:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        import json
-        import time
-
         _spent.clear()
         _names.clear()
         start = time.perf_counter()
