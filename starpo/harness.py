@@ -70,7 +70,10 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "trainer.collapse_mi_multi_turn": False,
               # GiGPO's episode statistics ran over episodes before; a resumed GiGPO run
               # takes verl-agent's (over steps) from here on
-              "algorithm.gigpo_episode_over_steps": True}
+              "algorithm.gigpo_episode_over_steps": True,
+              # runs before LoRA trained every weight (rank 0)
+              "model.lora.rank": 0, "model.lora.alpha": 16.0,
+              "model.lora.target_modules": "all-linear"}
 
 
 def enable_compilation_cache(directory: str | None = None) -> None:

@@ -182,3 +182,22 @@ def test_a_gpu_variant_on_a_machine_without_one_says_so_in_one_line(capsys):
         assert out.count("\n") == 1 and out.startswith("note: configs/frozenlake.py:gpu+dapo")
     else:
         assert out == ""
+
+
+def test_a_config_json_written_by_an_older_starpo_resumes():
+    """tests/saved_runs/frozenlake_cpu_sft_400.json is the config.json of a real SmolLM2 SFT run
+    written before several keys existed (LoRA, GiGPO's episode statistics, the filter's metric):
+    the same command resumes it, with each missing key at the value the old code ran with."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "saved_runs", "frozenlake_cpu_sft_400.json")
+    with open(path, encoding="utf-8") as f:
+        saved = f.read()
+    assert "lora" not in json.loads(saved)["model"]
+    c = frozenlake.get_config("cpu")
+    c.sft.steps, c.sft.lr, c.sft.test_freq, c.sft.save_freq = 400, 1.5e-4, 25, 5
+    harness.check_resumable(saved, c)
+    c.model.lora.rank = 8
+    with pytest.raises(ValueError, match="model.lora.rank"):
+        harness.check_resumable(saved, c)
