@@ -117,18 +117,23 @@ class EvalSet:
 
 def make_eval_set(tag: str, env, tokenizer, model_cfg, *, env_groups: int, group_size: int,
                   spec: rollout_lib.RolloutSpec, compiler_options=None, run_from=None,
-                  rollout: rollout_lib.Rollout | None = None, batch_size: int = 0) -> EvalSet:
+                  rollout: rollout_lib.Rollout | None = None, batch_size: int = 0,
+                  rows_sharding=None) -> EvalSet:
     """An EvalSet of `env_groups x group_size` episodes with the rollout settings `spec`,
     played `batch_size` at a time (whole groups dividing the set; 0 = all at once). Pass an
     existing `rollout` and `run_from` (its `play_from`, jitted) of the same env and of
-    batch_size rows to share its compiled program."""
+    batch_size rows to share its compiled program, and `rows_sharding` (the set's rows split
+    over a mesh, `sharding.batch_sharding`) to place the levels as that program's inputs were:
+    a program compiled for inputs placed one way is compiled again for another."""
     chunk = rollout_lib.chunk_size(env_groups * group_size, batch_size, group_size)
     if rollout is None:
         rollout = rollout_lib.make_rollout(env, tokenizer, model_cfg, spec,
                                            env_groups=chunk // group_size, group_size=group_size)
     if run_from is None:
         run_from = jax.jit(rollout.play_from, compiler_options=compiler_options)
-    states, group_id = jax.jit(rollout_lib.initial_states, static_argnums=(0, 3, 4, 5))(
+    out = None if rows_sharding is None else (rows_sharding, rows_sharding)
+    states, group_id = jax.jit(rollout_lib.initial_states, static_argnums=(0, 3, 4, 5),
+                               out_shardings=out)(
         env, jax.random.key(0), jnp.int32(0), rollout_lib.VALIDATION, env_groups, group_size)
     return EvalSet(tag, env, rollout, run_from, states, group_id, group_size, chunk)
 

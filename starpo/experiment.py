@@ -151,7 +151,7 @@ def build(run: run_config.RunSpec, policy: weights.LoadedModel | None = None) ->
             tag, venv, policy.tokenizer, policy.cfg, env_groups=v.env_groups,
             group_size=v.group_size, spec=run.rollout, compiler_options=options,
             rollout=ro if same else None, run_from=run_chunk if same else None,
-            batch_size=v.chunk)
+            batch_size=v.chunk, rows_sharding=sharding.batch_sharding(mesh, v.episodes))
     return Experiment(run, algo, policy, critic_cfg, env, run.mix, ro, run_rollout, initial_states,
                       update, val_sets, options, critic_params, mesh, state_shardings,
                       init_state, run_chunk)
