@@ -68,9 +68,10 @@ def _line_order(key):
 
 
 def generate(key, blanks: int):
-    """(puzzle int32[9, 9] with 0 for a blank, solution int32[9, 9]). Jittable; `blanks` is
-    static."""
-    check_blanks(blanks)
+    """(puzzle int32[9, 9] with 0 for a blank, solution int32[9, 9]). Jittable; `blanks` may
+    be traced (one program for every blank count)."""
+    if not isinstance(blanks, jax.Array):
+        check_blanks(blanks)
     k_digits, k_rows, k_cols, k_t, k_blank = jax.random.split(key, 5)
     digits = jnp.concatenate([jnp.zeros(1, jnp.int32),
                               jax.random.permutation(k_digits, SIZE).astype(jnp.int32) + 1])
@@ -78,7 +79,8 @@ def generate(key, blanks: int):
     grid = grid[_line_order(k_rows)][:, _line_order(k_cols)]
     grid = jnp.where(jax.random.bernoulli(k_t), grid.T, grid)
     order = jnp.argsort(jax.random.uniform(k_blank, (SIZE * SIZE,)))
-    blank = jnp.zeros(SIZE * SIZE, bool).at[order[:blanks]].set(True).reshape(SIZE, SIZE)
+    # the first `blanks` cells of the random order: those whose rank in it is below blanks
+    blank = (jnp.argsort(order) < blanks).reshape(SIZE, SIZE)
     return jnp.where(blank, 0, grid).astype(jnp.int32), grid.astype(jnp.int32)
 
 

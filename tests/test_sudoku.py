@@ -24,9 +24,15 @@ GOLDEN = json.loads((pathlib.Path(__file__).parent / "env_fixtures" / "sudoku_go
 WIDTH = 96  # answer bytes in the env-level tests
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _generate(n, blanks, seed):
+    keys = jax.random.split(jax.random.key(seed), n)
+    return jax.vmap(lambda k: sudoku.generate(k, blanks))(keys)
+
+
 def _batch(n, blanks, seed=0):
-    gen = jax.jit(jax.vmap(lambda k: sudoku.generate(k, blanks)))
-    puzzle, solution = gen(jax.random.split(jax.random.key(seed), n))
+    """n levels of `blanks` blanks from the key `seed` (one compiled program per n)."""
+    puzzle, solution = _generate(n, jnp.int32(blanks), jnp.uint32(seed))
     return np.asarray(puzzle), np.asarray(solution)
 
 
