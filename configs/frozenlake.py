@@ -13,7 +13,7 @@
   rarely, so reading the map shows.
 - tiny: a random-init tiny model on a non-slippery 3x3 lake, thinking off, one episode per level
   with a batch baseline; learns the format, then to read the grid, in minutes on CPU (its
-  curves per seed: docs/results.md; the learning test runs 120 steps).
+  curves per seed: docs/results.md; the learning test runs 100 steps).
 """
 
 from configs import common
