@@ -175,9 +175,11 @@ def _ends_with_stop(tail, n_new, stops: tuple[bytes, ...]):
     hit = jnp.zeros(tail.shape[0], bool)
     for s in stops:
         m = len(s)
-        pattern = jnp.asarray(np.frombuffer(s, np.uint8))
-        windows = jnp.stack([tail[:, e - m + 1:e + 1] for e in range(m - 1, W)], axis=1)
-        match = jnp.all(windows == pattern, axis=-1)  # [B, W-m+1], end at e = m-1+j
+        # match[:, j]: the m bytes from j on are the stop string, compared one string byte at
+        # a time over every window (m slices of the tail, not one slice per window)
+        match = jnp.ones((tail.shape[0], W - m + 1), bool)  # [B, W-m+1], end at e = m-1+j
+        for k, byte in enumerate(s):
+            match &= tail[:, k:k + W - m + 1] == byte
         ends = jnp.arange(m - 1, W)[None, :]
         hit |= jnp.any(match & (ends >= W - n_new[:, None]), axis=1)
     return hit
