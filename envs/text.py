@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from envs import bandit as bandit_lib
 from envs import countdown as countdown_lib
@@ -51,6 +52,12 @@ class EnvText:
     max_actions_per_traj: int
     limits: tuple = ()
 
+
+
+def powers_of_ten(k: int) -> np.ndarray:
+    """int32[k]: 10 ** (k-1) .. 10 ** 0 as a constant (`10 ** jnp.arange(k)`, an integer power
+    of a traced array, becomes dozens of ops in every program that renders a number)."""
+    return (10 ** np.arange(k - 1, -1, -1, dtype=np.int64)).astype(np.int32)
 
 def max_state_tokens(text: EnvText, lengths) -> int:
     """The most tokens a rendered state can take, given each piece's token count `lengths`:
@@ -133,7 +140,7 @@ def _countdown_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
     width = 1 + td + 1 + n * nd + (n - 1) + 1
 
     def number(v, k):  # piece ids [k]: v's digits right-aligned, -1 before
-        pw = 10 ** jnp.arange(k - 1, -1, -1)
+        pw = powers_of_ten(k)
         keep = (v >= pw) | (jnp.arange(k) == k - 1)
         return jnp.where(keep, (v // pw) % 10, -1)
 
@@ -189,7 +196,7 @@ def _game2048_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
         slots = jnp.where(jnp.arange(7) < 2 * count - 1, slots, -1)
         slots = jnp.where(count == 0, jnp.full((7,), -1).at[0].set(NONE), slots)
         parts += [slots, jnp.array([MID])]
-        pw = 10 ** jnp.arange(D - 1, -1, -1)
+        pw = powers_of_ten(D)
         keep = (state.score >= pw) | (jnp.arange(D) == D - 1)
         parts += [jnp.where(keep, DIGIT + (state.score // pw) % 10, -1), jnp.array([END])]
         return jnp.concatenate(parts).astype(jnp.int32)
@@ -250,7 +257,7 @@ def _sudoku_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
 
     def num(v, k):  # piece ids [k]: v's digits right-aligned, -1 before
         v = jnp.clip(v, 0, 10 ** k - 1)
-        pw = 10 ** jnp.arange(k - 1, -1, -1)
+        pw = powers_of_ten(k)
         keep = (v >= pw) | (jnp.arange(k) == k - 1)
         return jnp.where(keep, DIGIT + (v // pw) % 10, -1)
 

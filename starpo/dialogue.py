@@ -33,6 +33,7 @@ FORMAT_ANSWER = "<answer> [your answer] </answer>"
 INT_DIGITS, FRAC_DIGITS = 4, 4  # reward text: up to 4 integer and 4 decimal digits
 
 
+
 def turn_text(k: int, actions_left: int, max_tokens: int, thinking: bool) -> tuple[str, str]:
     """(header, footer) of turn k around the state text, as the reference writes them."""
     fmt = FORMAT_THINK if thinking else FORMAT_ANSWER
@@ -225,7 +226,7 @@ def reward_pieces(tables: DialogueTables, reward, ran):
     digits = jnp.asarray(tables.ids["digit"])
     int_d = jnp.stack([(ip // 10 ** i) % 10 for i in range(INT_DIGITS - 1, -1, -1)], 1)  # [B,4]
     int_keep = (jnp.arange(INT_DIGITS)[None] == INT_DIGITS - 1) | (
-        ip[:, None] >= 10 ** jnp.arange(INT_DIGITS - 1, -1, -1)[None])
+        ip[:, None] >= env_text.powers_of_ten(INT_DIGITS)[None])
     frac_d = jnp.stack([(fp // 10 ** i) % 10 for i in range(FRAC_DIGITS - 1, -1, -1)], 1)
     # keep a fraction digit if it or anything after it is non-zero
     frac_keep = (jnp.arange(FRAC_DIGITS)[None] == 0) | (
