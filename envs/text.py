@@ -253,6 +253,17 @@ def _sudoku_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
         placed_w=" placed)\nSteps: ", max_steps=f"/{env.max_steps}")
     P = {k: add(k, v) for k, v in frames.items()}
     long_ids = {i for i, t in enumerate(pieces) if len(t) > 8}
+    # the grid's frame: banner, bars and line breaks, with a slot (-1) for each cell's piece
+    grid_frame, cell_slots = [P["head"]], []
+    for i in range(S):
+        if i:
+            grid_frame.append(P["dash"] if i % BOX == 0 else P["nl"])
+        for j in range(S):
+            if j and j % BOX == 0:
+                grid_frame.append(P["bar"])
+            cell_slots.append(len(grid_frame))
+            grid_frame.append(-1)
+    grid_frame, cell_slots = np.asarray(grid_frame, np.int32), np.asarray(cell_slots)
     SD = 5  # digits of the step count (saturates past 99999)
 
     def num(v, k):  # piece ids [k]: v's digits right-aligned, -1 before
@@ -314,26 +325,23 @@ def _sudoku_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
     def render(state):
         grid, puzzle = state.grid, state.puzzle
         code = jnp.where(puzzle != 0, grid + S, grid)  # [9, 9]
-        parts = [ids(P["head"])]
-        for i in range(S):
-            if i:
-                parts.append(ids(P["dash"] if i % BOX == 0 else P["nl"]))
-            for j in range(S):
-                if j and j % BOX == 0:
-                    parts.append(ids(P["bar"]))
-                parts.append(ids(CELL + (2 * S + 1) * (j == S - 1) + code[i, j]))
-        parts += [ids(P["legend"]), feedback(state)]
+        # the grid's pieces at once: the fixed frame (banner, bars, line breaks) with the 81
+        # cells' pieces written into their slots
+        cells = CELL + (2 * S + 1) * (jnp.arange(S) == S - 1) + code
+        parts = [jnp.asarray(grid_frame).at[cell_slots].set(cells.reshape(-1)),
+                 ids(P["legend"]), feedback(state)]
         empty = grid == 0
         E = jnp.sum(empty)
+        k = jnp.arange(10)
         order = jnp.argsort(~empty.reshape(-1), stable=True)[:10]
-        lines = []
-        for k in range(10):
-            rr, cc = order[k] // S, order[k] % S
-            valid = sudoku_lib.valid_numbers(grid, rr, cc)
-            show = (k < E) & valid.any()
-            lines.append(when(show, ids(P["line"], d(rr + 1), P["comma"], d(cc + 1),
-                                        P["list_open"], number_list(valid), P["list_close"])))
-        parts.append(when((E >= 1) & (E <= 10), ids(P["valid_head"], *lines)))
+        rr, cc = order // S, order % S
+        valid = jax.vmap(sudoku_lib.valid_numbers, in_axes=(None, 0, 0))(grid, rr, cc)
+        show = (k < E) & valid.any(axis=1)
+        lines = jax.vmap(lambda r, c, v: ids(P["line"], d(r + 1), P["comma"], d(c + 1),
+                                             P["list_open"], number_list(v),
+                                             P["list_close"]))(rr, cc, valid)
+        lines = jnp.where(show[:, None], lines, -1).reshape(-1)
+        parts.append(when((E >= 1) & (E <= 10), ids(P["valid_head"], lines)))
         filled = jnp.sum(grid != 0)
         initial = jnp.sum(puzzle != 0)
         parts += [ids(P["progress"]), num(filled, 2), ids(P["of"]), num(initial, 2),
