@@ -130,11 +130,14 @@ def _check_model(config) -> None:
 
 def check_sft(config, env) -> None:
     """ValueError (one line) where an SFT phase of `config` cannot run: a batch mixing env
-    variants, an env without a solver, micro-batches not dividing the step's levels."""
+    variants, an env without a solver, an sft.actions_per_turn whose reply table is too large,
+    micro-batches not dividing the step's levels."""
     s = config.sft
     if config.env.mix:
         raise ValueError("sft: demonstrations play one env variant; drop env.mix")
     demos.check_solvable(env)
+    # a demonstration reply table too large for sft.actions_per_turn (before any work)
+    demos.moves_per_turn(env, run_config.rollout_spec(config), s.actions_per_turn)
     micro = min(config.algorithm.micro_batch_size, s.env_groups)
     if s.env_groups % micro:
         raise ValueError(f"sft.env_groups {s.env_groups} is not a multiple of "

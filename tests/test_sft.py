@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import envs
-from configs import frozenlake, sokoban
+from configs import frozenlake, sokoban, sudoku
 from starpo import checkpoint, config_check, demos, experiment, harness, metrics, rollout
 from starpo import run_config, sft, training
 from starpo import model as model_lib
@@ -217,6 +217,10 @@ def test_bad_sft_configs_fail_at_start(lake, tmp_path):
     for changes, message in bad:
         with pytest.raises(run_config.ConfigError, match=message):
             config_check.check(with_changes(config, **changes))
+    # two Sudoku placements a reply: a table of 729 + 729^2 replies, refused before any work
+    two = with_changes(sudoku.get_config("tiny"), sft__steps=1, sft__actions_per_turn=2)
+    with pytest.raises(run_config.ConfigError, match="sft.actions_per_turn=2: .* use 1"):
+        config_check.check(two)
     three = with_changes(sokoban.get_config("tiny"), sft__steps=1, env__options__num_boxes=3)
     with pytest.raises(run_config.ConfigError, match="sft: no solver for 'SimpleSokoban'"):
         config_check.check(three)
