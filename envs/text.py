@@ -53,11 +53,11 @@ class EnvText:
     limits: tuple = ()
 
 
-
 def powers_of_ten(k: int) -> np.ndarray:
     """int32[k]: 10 ** (k-1) .. 10 ** 0 as a constant (`10 ** jnp.arange(k)`, an integer power
     of a traced array, becomes dozens of ops in every program that renders a number)."""
     return (10 ** np.arange(k - 1, -1, -1, dtype=np.int64)).astype(np.int32)
+
 
 def max_state_tokens(text: EnvText, lengths) -> int:
     """The most tokens a rendered state can take, given each piece's token count `lengths`:

@@ -33,7 +33,6 @@ FORMAT_ANSWER = "<answer> [your answer] </answer>"
 INT_DIGITS, FRAC_DIGITS = 4, 4  # reward text: up to 4 integer and 4 decimal digits
 
 
-
 def turn_text(k: int, actions_left: int, max_tokens: int, thinking: bool) -> tuple[str, str]:
     """(header, footer) of turn k around the state text, as the reference writes them."""
     fmt = FORMAT_THINK if thinking else FORMAT_ANSWER
