@@ -486,13 +486,18 @@ def test_update_trains_on_the_kept_rows_in_fewer_full_minibatches(params, traj):
     assert np.asarray(real).tolist() == [True, True, False, False]
     grad_fn = _jit(UP.make_grad_fn(algo, CFG))
     tx = UP.make_optimizer(algo.actor_lr, algo)
-    want, opt = copy(params[0]), None
-    opt = tx.init(want)
+
+    @jax.jit  # one program, not one compile per leaf and op
+    def apply(g, opt, w):
+        updates, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, updates), opt
+
+    take = jax.jit(lambda b, rows: jax.tree_util.tree_map(lambda x: x[rows], b))
+    want = copy(params[0])
+    opt = jax.jit(tx.init)(want)
     for rows in np.asarray(order)[np.asarray(real)]:
-        mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
-        g, _, _ = grad_fn(want, None, mb)
-        updates, opt = tx.update(g, opt, want)
-        want = optax.apply_updates(want, updates)
+        g, _, _ = grad_fn(want, None, take(batch, rows))
+        want, opt = apply(g, opt, want)
     new, m = UP.make_update(algo, CFG, compiler_options=FAST)(
         UP.init_train_state(algo, copy(params[0])), traj, key)
     assert float(m["trainer/updates_per_batch"]) == 2 and float(m["actor/online_k"]) == 2
