@@ -246,7 +246,7 @@ def test_block_causal_attention_equals_plain_attention():
     v = rng.normal(size=(B, K, T, E)).astype(np.float32)
     t = np.arange(T)
     valid = np.stack([t < T, t >= 40, t < 97, np.zeros(T, bool)])
-    got = np.asarray(M.causal_attention(q, k, v, valid, G, block))
+    got = np.asarray(jax.jit(M.causal_attention, static_argnums=(4, 5))(q, k, v, valid, G, block))
     assert M._attention_blocks(T, block) == ((0, 64), (64, 128), (128, 150))
     for b in range(3):  # the padding-only row has no visible key: its output is not used
         for h in range(K):
@@ -266,7 +266,7 @@ def test_block_causal_attention_equals_plain_attention():
         return jnp.einsum("bkrs,bkse->bkre", jax.nn.softmax(s, -1), v)
 
     w = rng.normal(size=q.shape).astype(np.float32) * np.repeat(valid, G, 1)[:, None, :, None]
-    grads = [jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(q, k, v)
              for f in (plain, lambda *a: M.causal_attention(*a, valid, G, block))]
     for name, want, have in zip("qkv", *grads):
         np.testing.assert_allclose(have, want, atol=1e-4, err_msg=f"d{name}")
