@@ -189,7 +189,6 @@ def test_a_config_json_written_by_an_older_starpo_resumes():
     written before several keys existed (LoRA, GiGPO's episode statistics, the filter's metric):
     the same command resumes it, with each missing key at the value the old code ran with."""
     import json
-    import os
 
     path = os.path.join(os.path.dirname(__file__), "saved_runs", "frozenlake_cpu_sft_400.json")
     with open(path, encoding="utf-8") as f:
