@@ -259,7 +259,7 @@ def bench_python_sudoku(min_seconds, blanks=sudoku.BLANKS["easy"]):
     import random
 
     r = random.Random(0)
-    base = sudoku._BASE.tolist()
+    base = sudoku._base(sudoku.SIZE).tolist()
 
     def lines():
         bands = r.sample(range(3), 3)

@@ -12,8 +12,10 @@ blanks, 30 actions) is `--config.env.name=MediumSudoku --config.val.tags=MediumS
 - gpu: SmolLM2-135M on one GPU (configs/common.py `gpu`), the reference's 5 turns, with the
   SFT warm start on the jittable solver's placements (envs/sudoku.py `solve`: propagation and
   search; one placement a demonstration reply, starpo/demos.py).
-- tiny: a random-init tiny model, for tests and CPU demos of the plumbing; its tokenizer has
-  the 729 answers `R,C,N</answer>` as whole tokens (a vocabulary of 1024).
+- tiny: a random-init tiny model on the reference's 4x4 grid (`Sudoku4x4`, grid_size 4, 6
+  blanks), 3 turns of one placement; its tokenizer has the 64 answers `R,C,N</answer>` as whole
+  tokens (a vocabulary of 512). RL alone learns the answer format; `--config.sft.steps=300
+  --config.sft.lr=3e-3 --config.sft.env_groups=64` learns placements (docs/envs_sudoku_2048.md).
 """
 
 from configs import common
@@ -40,15 +42,27 @@ def get_config(arg=None):
         c.rollout.update(dict(max_turn=5, max_context=8192, response_length=150))
     elif v == "tiny":
         common.tiny(c)
-        # the action budget as short as the episode: each "You have N actions left" line is
-        # one of the tiny tokenizer's whole tokens
-        c.rollout.update(dict(max_turn=2, max_actions_per_traj=4, env_groups=8, group_size=4,
-                              response_length=16, max_context=2048))
-        # the tokenizer's vocabulary holds the 729 whole answers `R,C,N</answer>` (the solver's
-        # moves, starpo/dialogue.py `template_strings`): a random model writes a placement
-        c.model.path = c.model.path.replace("vocab=128", "vocab=1024")
-        c.val.update(dict(tags="SimpleSudoku", test_freq=5))
-        c.trainer.update(dict(total_steps=20, save_freq=10))
+        # The reference's env at grid_size 4 (tag Sudoku4x4: 2x2 boxes, numbers 1-4, its easy
+        # 6 blanks of 16): with at most 10 empty cells the reference's text lists each empty
+        # cell's valid numbers, so a placement can be read off the observation. On the 9x9
+        # levels (32 blanks, no such list until 10 are left) a random-init tiny model learned
+        # nothing measurable (docs/envs_sudoku_2048.md).
+        c.env.name = "Sudoku4x4"
+        c.env.options = dict(size=4, blanks=6, max_steps=16, max_actions=6,
+                             correct_placement_score=1.0, invalid_action_score=-0.1,
+                             completion_bonus=10.0)
+        # one placement a turn, one token a reply: the tokenizer holds the 64 answers
+        # `R,C,N</answer>` whole (starpo/dialogue.py `template_strings`)
+        c.rollout.update(dict(max_turn=3, max_actions_per_turn=1, max_actions_per_traj=3,
+                              env_groups=128, group_size=1, response_length=1, max_context=512))
+        c.model.path = c.model.path.replace("vocab=128", "vocab=512")
+        c.val.update(dict(tags="", env_groups=128, test_freq=10))
+        # as the tiny FrozenLake (configs/frozenlake.py): one episode on each of 128 levels,
+        # rewards normalised over the batch, a cosine decay of the learning rate
+        c.algorithm.update(dict(rollout_filter_ratio=1.0, reward_norm_grouping="batch",
+                                reward_norm_method="mean_std", ppo_mini_batch_size=32,
+                                micro_batch_size=32, lr_decay_steps=400, min_lr_ratio=0.1))
+        c.trainer.update(dict(total_steps=100, save_freq=50))
     common.apply_presets(c, arg)
     c.lock()
     return c

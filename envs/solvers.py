@@ -111,7 +111,7 @@ def next_moves(env, state, max_moves: int):
         return names, (~env.is_done(state)).astype(jnp.int32)
     if isinstance(env, sudoku.Sudoku):
         cells, digits, n = sudoku.next_placements(state.grid, max_moves)
-        return cells * sudoku.SIZE + digits - 1, jnp.where(env.is_done(state), 0, n)
+        return cells * env.size + digits - 1, jnp.where(env.is_done(state), 0, n)
     return _sokoban_moves(env, state, max_moves)
 
 

@@ -29,11 +29,16 @@ the last action's feedback, the valid numbers of each empty cell once at most 10
 `Progress:` and `Steps:`. Deviations: an unparsable answer is echoed as its first ECHO bytes,
 non-ASCII bytes as `?`; numbers of more than 9 digits saturate at 999999999; `\\d` and `\\s`
 are ASCII (Python's also match other Unicode digits and spaces).
+
+`size=4` is the reference's env at `grid_size=4` (2x2 boxes, numbers 1-4, the same text and
+rules; tag `Sudoku4x4`, which the reference's envs.yaml does not have, with its own
+instruction `INSTRUCTION_4X4`). The reference's grid_size 16 is not built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -44,59 +49,90 @@ from flax import struct
 from envs import text_actions
 from envs.text_actions import PAD, answer_bytes  # noqa: F401 (the env's own names)
 
-SIZE, BOX = 9, 3
-BLANKS = {"easy": int(SIZE * SIZE * 0.4), "medium": int(SIZE * SIZE * 0.5),
-          "hard": int(SIZE * SIZE * 0.6)}  # the reference's cells_to_remove
-_BASE = np.array([[(BOX * (r % BOX) + r // BOX + c) % SIZE + 1 for c in range(SIZE)]
-                  for r in range(SIZE)], np.int32)
+SIZE, BOX = 9, 3  # the reference's tags' grid (config grid_size 9)
+SIZES = (4, 9)  # grid sizes built (the reference's SudokuEnvConfig also allows 16)
 
 
-def check_blanks(blanks) -> None:
-    """One-line ValueError unless 0 <= blanks <= 81 (an int)."""
+def blank_counts(size: int = SIZE) -> dict:
+    """The reference's cells_to_remove of a size x size grid: 40% / 50% / 60% of the cells."""
+    return {"easy": int(size * size * 0.4), "medium": int(size * size * 0.5),
+            "hard": int(size * size * 0.6)}
+
+
+BLANKS = blank_counts(SIZE)
+
+
+def box_of(size: int) -> int:
+    """The box side of a size x size grid (the reference's int(sqrt(grid_size)))."""
+    return {4: 2, 9: 3}[size]
+
+
+def check_size(size) -> None:
+    """One-line ValueError unless size is a built grid size (4 or 9)."""
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size not in SIZES:
+        raise ValueError(f"Sudoku size must be one of {', '.join(map(str, SIZES))}, got {size!r}")
+
+
+def check_blanks(blanks, size: int = SIZE) -> None:
+    """One-line ValueError unless 0 <= blanks <= size * size (an int)."""
     if not isinstance(blanks, (int, np.integer)) or isinstance(blanks, bool) \
-            or not 0 <= blanks <= SIZE * SIZE:
-        raise ValueError(f"Sudoku blanks must be an int in [0, {SIZE * SIZE}], got {blanks!r}")
+            or not 0 <= blanks <= size * size:
+        raise ValueError(f"Sudoku blanks must be an int in [0, {size * size}] for a {size}x{size} "
+                         f"grid, got {blanks!r}")
 
 
-def _line_order(key):
-    """int32[9]: a permutation of 9 lines that keeps groups of 3 together (bands or stacks
-    permuted, and the lines inside each)."""
+def _base(size: int) -> np.ndarray:
+    """A valid size x size grid: row r is 1..size shifted by box * (r % box) + r // box."""
+    b = box_of(size)
+    return np.array([[(b * (r % b) + r // b + c) % size + 1 for c in range(size)]
+                     for r in range(size)], np.int32)
+
+
+def _line_order(key, box: int):
+    """int32[box * box]: a permutation of the lines that keeps groups of `box` together (bands
+    or stacks permuted, and the lines inside each)."""
     k_outer, k_inner = jax.random.split(key)
-    outer = jax.random.permutation(k_outer, BOX)
-    inner = jax.vmap(lambda k: jax.random.permutation(k, BOX))(jax.random.split(k_inner, BOX))
-    return (outer[:, None] * BOX + inner).reshape(-1).astype(jnp.int32)
+    outer = jax.random.permutation(k_outer, box)
+    inner = jax.vmap(lambda k: jax.random.permutation(k, box))(jax.random.split(k_inner, box))
+    return (outer[:, None] * box + inner).reshape(-1).astype(jnp.int32)
 
 
-def generate(key, blanks: int):
-    """(puzzle int32[9, 9] with 0 for a blank, solution int32[9, 9]). Jittable; `blanks` may
-    be traced (one program for every blank count)."""
+def generate(key, blanks: int, size: int = SIZE):
+    """(puzzle int32[size, size] with 0 for a blank, solution int32[size, size]). Jittable;
+    `blanks` may be traced (one program for every blank count)."""
+    check_size(size)
     if not isinstance(blanks, jax.Array):
-        check_blanks(blanks)
+        check_blanks(blanks, size)
+    box = box_of(size)
     k_digits, k_rows, k_cols, k_t, k_blank = jax.random.split(key, 5)
     digits = jnp.concatenate([jnp.zeros(1, jnp.int32),
-                              jax.random.permutation(k_digits, SIZE).astype(jnp.int32) + 1])
-    grid = digits[jnp.asarray(_BASE)]
-    grid = grid[_line_order(k_rows)][:, _line_order(k_cols)]
+                              jax.random.permutation(k_digits, size).astype(jnp.int32) + 1])
+    grid = digits[jnp.asarray(_base(size))]
+    grid = grid[_line_order(k_rows, box)][:, _line_order(k_cols, box)]
     grid = jnp.where(jax.random.bernoulli(k_t), grid.T, grid)
-    order = jnp.argsort(jax.random.uniform(k_blank, (SIZE * SIZE,)))
+    order = jnp.argsort(jax.random.uniform(k_blank, (size * size,)))
     # the first `blanks` cells of the random order: those whose rank in it is below blanks
-    blank = (jnp.argsort(order) < blanks).reshape(SIZE, SIZE)
+    blank = (jnp.argsort(order) < blanks).reshape(size, size)
     return jnp.where(blank, 0, grid).astype(jnp.int32), grid.astype(jnp.int32)
 
 
 def is_valid_solution(grid) -> bool:
-    """Host: every row, column and box of int[9, 9] holds 1..9 once."""
+    """Host: every row, column and box of a size x size grid holds 1..size once."""
     g = np.asarray(grid)
-    want = set(range(1, SIZE + 1))
-    boxes = [g[r:r + BOX, c:c + BOX].reshape(-1) for r in range(0, SIZE, BOX)
-             for c in range(0, SIZE, BOX)]
+    size = g.shape[0]
+    b = box_of(size)
+    want = set(range(1, size + 1))
+    boxes = [g[r:r + b, c:c + b].reshape(-1) for r in range(0, size, b)
+             for c in range(0, size, b)]
     return all(set(x.tolist()) == want for x in [*g, *g.T, *boxes])
 
 
 def _candidates(g, r, c):
-    b = g[r // BOX * BOX:r // BOX * BOX + BOX, c // BOX * BOX:c // BOX * BOX + BOX]
-    return set(range(1, SIZE + 1)) - set(g[r].tolist()) - set(g[:, c].tolist()) \
-        - set(b.reshape(-1).tolist())
+    size = g.shape[0]
+    b = box_of(size)
+    bx = g[r // b * b:r // b * b + b, c // b * b:c // b * b + b]
+    return set(range(1, size + 1)) - set(g[r].tolist()) - set(g[:, c].tolist()) \
+        - set(bx.reshape(-1).tolist())
 
 
 def count_solutions(puzzle, limit: int = 2) -> tuple[int, np.ndarray | None]:
@@ -137,23 +173,38 @@ def count_solutions(puzzle, limit: int = 2) -> tuple[int, np.ndarray | None]:
 
 
 # ------------------------------------------------------------ the jittable solver
-# Cell indices (row-major, 0..80) of the 27 units (rows, columns, boxes) and each cell's units.
-_UNITS = np.array([[r * SIZE + c for c in range(SIZE)] for r in range(SIZE)]
-                  + [[r * SIZE + c for r in range(SIZE)] for c in range(SIZE)]
-                  + [[(b // BOX * BOX + i // BOX) * SIZE + b % BOX * BOX + i % BOX
-                      for i in range(SIZE)] for b in range(SIZE)], np.int32)
-_CELL_UNITS = np.array([[r, SIZE + c, 2 * SIZE + r // BOX * BOX + c // BOX]
-                        for r in range(SIZE) for c in range(SIZE)], np.int32)
+@functools.lru_cache(maxsize=None)
+def _units(size: int):
+    """(units int32[3 * size, size]: the cell indices (row-major) of the rows, columns and boxes;
+    cell_units int32[size * size, 3]: each cell's three units)."""
+    B = box_of(size)
+    units = np.array([[r * size + c for c in range(size)] for r in range(size)]
+                     + [[r * size + c for r in range(size)] for c in range(size)]
+                     + [[(b // B * B + i // B) * size + b % B * B + i % B
+                         for i in range(size)] for b in range(size)], np.int32)
+    cell_units = np.array([[r, size + c, 2 * size + r // B * B + c // B]
+                           for r in range(size) for c in range(size)], np.int32)
+    return units, cell_units
+
+
+def _side(g) -> int:
+    """The grid size of a flat grid of size * size cells."""
+    return {16: 4, 81: 9}[g.shape[0]]
+
+
 SOLVE_GUESSES = 2048  # most guesses of `solve`'s search (generated levels need none or few)
 
 
 def _fits(g):
     """(cand bool[81, 9]: digit d + 1 fits empty cell i, has bool[27, 9]: unit u holds d + 1,
-    ok bool[]: no unit repeats a digit) of a flat grid int32[81]."""
-    onehot = g[:, None] == jnp.arange(1, SIZE + 1)
-    per_unit = jnp.sum(onehot[_UNITS], axis=1)  # [27, 9]
+    ok bool[]: no unit repeats a digit) of a flat grid int32[81] (shapes of 9x9; a 4x4 grid's
+    are [16, 4], [12, 4])."""
+    size = _side(g)
+    units, cell_units = _units(size)
+    onehot = g[:, None] == jnp.arange(1, size + 1)
+    per_unit = jnp.sum(onehot[units], axis=1)  # [27, 9]
     has = per_unit > 0
-    used = jnp.any(has[_CELL_UNITS], axis=1)  # [81, 9]
+    used = jnp.any(has[cell_units], axis=1)  # [81, 9]
     return ~used & (g == 0)[:, None], has, jnp.all(per_unit <= 1)
 
 
@@ -163,13 +214,15 @@ def propagate(g):
     filled together each round until a round fills nothing. Returns (grid, ok): ok False on
     a contradiction (a repeated digit, an empty cell without candidates, a unit with nowhere
     left for a digit it lacks, a cell forced to two digits). Jittable."""
+    units, cell_units = _units(_side(g))
+
     def body(carry):
         g, _, _ = carry
         cand, has, ok = _fits(g)
-        places = jnp.sum(cand[_UNITS], axis=1)  # [27, 9]: cells of unit u that can take d
+        places = jnp.sum(cand[units], axis=1)  # [27, 9]: cells of unit u that can take d
         ok &= jnp.all((g != 0) | jnp.any(cand, axis=1)) & jnp.all(has | (places > 0))
         naked = cand & (jnp.sum(cand, axis=1) == 1)[:, None]
-        hidden = cand & jnp.any((places == 1)[_CELL_UNITS], axis=1)
+        hidden = cand & jnp.any((places == 1)[cell_units], axis=1)
         forced = naked | hidden
         ok &= jnp.all(jnp.sum(forced, axis=1) <= 1)
         fill = jnp.any(forced, axis=1) & ok
@@ -182,18 +235,19 @@ def propagate(g):
 
 
 def solve(grid):
-    """A completion of `grid` int32[9, 9] (0 empty) by propagation and depth-first search:
-    (solution int32[9, 9], ok bool[]). Each node is propagated (`propagate`); a node left
+    """A completion of `grid` int32[S, S] (0 empty; S 9 or 4) by propagation and depth-first
+    search: (solution int32[S, S], ok bool[]). Each node is propagated (`propagate`); a node left
     open branches on its empty cell with the fewest candidates, digits in increasing order
-    (the search of `count_solutions`, on device: an explicit stack of at most 81 nodes, each
+    (the search of `count_solutions`, on device: an explicit stack of at most S * S nodes, each
     deeper by at least one filled cell). ok False where the grid has no completion, or none
     was found within SOLVE_GUESSES guesses (solution: the grid). Jittable and vmappable."""
-    n = SIZE * SIZE
+    size = grid.shape[0]
+    n = size * size
     flat = jnp.asarray(grid, jnp.int32).reshape(n)
 
     def branch(g):  # (cell with the fewest candidates, its candidates) of an open node
         cand = _fits(g)[0]
-        count = jnp.where(g == 0, jnp.sum(cand, axis=1), SIZE + 1)
+        count = jnp.where(g == 0, jnp.sum(cand, axis=1), size + 1)
         cell = jnp.argmin(count)
         return cell, cand[cell]
 
@@ -201,7 +255,7 @@ def solve(grid):
     full0 = ok0 & jnp.all(g0 != 0)
     cell0, mask0 = branch(g0)
     stack = (jnp.zeros((n, n), jnp.int32).at[0].set(g0), jnp.zeros(n, jnp.int32).at[0].set(cell0),
-             jnp.zeros((n, SIZE), bool).at[0].set(mask0))
+             jnp.zeros((n, size), bool).at[0].set(mask0))
     top0 = jnp.where(ok0 & ~full0, 0, -1)
 
     def more(c):
@@ -228,18 +282,18 @@ def solve(grid):
 
     _, _, found, _, best = jax.lax.while_loop(
         more, step, (stack, top0, full0, jnp.zeros((), jnp.int32), jnp.where(full0, g0, flat)))
-    return best.reshape(SIZE, SIZE), found
+    return best.reshape(size, size), found
 
 
 def next_placements(grid, max_moves: int):
-    """(cells int32[max_moves] (flat 0-based), digits int32[max_moves] (1..9), n int32[]): up
+    """(cells int32[max_moves] (flat 0-based), digits int32[max_moves] (1..S), n int32[]): up
     to `max_moves` placements of a completion of `grid` found by `solve`, the empty cells
     with the fewest candidates first (a naked single before a cell that needed the search;
     ties in reading order); n = 0 where `solve` finds none. Jittable."""
     solution, ok = solve(grid)
     flat = jnp.asarray(grid, jnp.int32).reshape(-1)
     count = jnp.sum(_fits(flat)[0], axis=1)
-    order = jnp.argsort(jnp.where(flat == 0, count, SIZE + 1), stable=True)[:max_moves]
+    order = jnp.argsort(jnp.where(flat == 0, count, grid.shape[0] + 1), stable=True)[:max_moves]
     n = jnp.where(ok, jnp.minimum(jnp.sum(flat == 0), max_moves), 0).astype(jnp.int32)
     return order.astype(jnp.int32), solution.reshape(-1)[order], n
 
@@ -254,6 +308,18 @@ INSTRUCTION = (
     "dots (.).\n"
     "Place numbers one at a time using the format: <answer>place 5 at row 2 col 3</answer> or "
     "<answer>2,3,5</answer>\n"
+    "The environment will provide feedback on valid/invalid moves and show conflicts if any "
+    "occur.\n"
+)
+# A 4x4 grid (`size=4`, the reference's SudokuEnvConfig grid_size 4) has no tag in the reference's
+# envs.yaml, so no instruction of its own: this one is the 9x9 tags' with the grid's numbers.
+INSTRUCTION_4X4 = (
+    "You are solving a Sudoku puzzle. Fill in the grid so that every row, column, and 2x2 box "
+    "contains the numbers 1-4 without repetition.\n"
+    "Initial cells are shown in [brackets] and cannot be modified. Empty cells are shown as "
+    "dots (.).\n"
+    "Place numbers one at a time using the format: <answer>place 3 at row 2 col 1</answer> or "
+    "<answer>2,1,3</answer>\n"
     "The environment will provide feedback on valid/invalid moves and show conflicts if any "
     "occur.\n"
 )
@@ -278,9 +344,9 @@ _PATTERNS = (
 
 @struct.dataclass
 class SudokuState:
-    puzzle: jax.Array  # int32[9, 9]: the initial grid (0 blank)
-    solution: jax.Array  # int32[9, 9]: the generated solution
-    grid: jax.Array  # int32[9, 9]: the current grid
+    puzzle: jax.Array  # int32[S, S] (S the env's size, 9 or 4): the initial grid (0 blank)
+    solution: jax.Array  # int32[S, S]: the generated solution
+    grid: jax.Array  # int32[S, S]: the current grid
     steps: jax.Array  # int32[]: steps taken (valid or not)
     done: jax.Array  # bool[]
     solved: jax.Array  # bool[]
@@ -377,8 +443,9 @@ def parse_action(action):
 
 
 def _box(grid, r, c):
-    """int32[9]: the box of 0-based cell (r, c)."""
-    return jax.lax.dynamic_slice(grid, (r // BOX * BOX, c // BOX * BOX), (BOX, BOX)).reshape(-1)
+    """int32[S]: the box of 0-based cell (r, c) of a grid int32[S, S]."""
+    b = box_of(grid.shape[0])
+    return jax.lax.dynamic_slice(grid, (r // b * b, c // b * b), (b, b)).reshape(-1)
 
 
 def conflicts(grid, r, c, num):
@@ -388,16 +455,18 @@ def conflicts(grid, r, c, num):
 
 
 def valid_numbers(grid, r, c):
-    """bool[9]: which of 1..9 fit the empty 0-based cell (r, c) (none if it is filled)."""
-    d = jnp.arange(1, SIZE + 1)
+    """bool[S]: which of 1..S fit the empty 0-based cell (r, c) (none if it is filled)."""
+    d = jnp.arange(1, grid.shape[0] + 1)
     seen = jnp.concatenate([grid[r], grid[:, c], _box(grid, r, c)])
     return ~jnp.any(seen[None] == d[:, None], axis=1) & (grid[r, c] == 0)
 
 
 def is_solved_grid(grid):
-    """bool[]: every cell filled and every row, column and box holds 1..9 once."""
-    d = jnp.arange(1, SIZE + 1)
-    boxes = grid.reshape(BOX, BOX, BOX, BOX).transpose(0, 2, 1, 3).reshape(SIZE, SIZE)
+    """bool[]: every cell filled and every row, column and box holds 1..S once."""
+    size = grid.shape[0]
+    b = box_of(size)
+    d = jnp.arange(1, size + 1)
+    boxes = grid.reshape(b, b, b, b).transpose(0, 2, 1, 3).reshape(size, size)
     units = jnp.concatenate([grid, grid.T, boxes])  # [27, 9]
     return jnp.all(jnp.any(units[:, :, None] == d[None, None], axis=1))
 
@@ -410,7 +479,8 @@ class Sudoku(text_actions.TextActionEnv):
     env's step budget (81); max_actions: the agent's actions an episode (the reference's
     max_actions_per_traj: 20 SimpleSudoku, 30 MediumSudoku); the rewards are the reference's
     correct_placement_score (a valid non-solution digit pays half), invalid_action_score and
-    completion_bonus."""
+    completion_bonus; size: the grid's side, 9 (the reference's tags) or 4 (its grid_size 4:
+    2x2 boxes, numbers 1-4; easy blanks int(16 * 0.4) = 6)."""
 
     name: str = "SimpleSudoku"
     blanks: int = BLANKS["easy"]
@@ -419,15 +489,23 @@ class Sudoku(text_actions.TextActionEnv):
     correct_placement_score: float = 1.0
     invalid_action_score: float = -0.1
     completion_bonus: float = 10.0
+    size: int = SIZE
 
-    instruction = INSTRUCTION
-    # the answers the solver writes (envs/solvers.py `next_moves`): placement (r, c, n), all
-    # 1-based, is move ((r - 1) * 9 + c - 1) * 9 + n - 1, `r,c,n` in the reference's format
-    move_names = tuple(f"{r},{c},{n}" for r in range(1, SIZE + 1) for c in range(1, SIZE + 1)
-                       for n in range(1, SIZE + 1))
+    @property
+    def instruction(self):
+        return INSTRUCTION if self.size == SIZE else INSTRUCTION_4X4
+
+    @property
+    def move_names(self):
+        """The answers the solver writes (envs/solvers.py `next_moves`): placement (r, c, n),
+        all 1-based, is move ((r - 1) * S + c - 1) * S + n - 1, `r,c,n` in the reference's
+        format (729 of them on the 9x9 grid, 64 on the 4x4)."""
+        s = range(1, self.size + 1)
+        return tuple(f"{r},{c},{n}" for r in s for c in s for n in s)
 
     def __post_init__(self):
-        check_blanks(self.blanks)
+        check_size(self.size)
+        check_blanks(self.blanks, self.size)
         for f in ("max_steps", "max_actions"):
             v = getattr(self, f)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 1 <= v <= 9999:
@@ -444,7 +522,7 @@ class Sudoku(text_actions.TextActionEnv):
 
     # ----------------------------------------------------------- dynamics
     def reset(self, key):
-        puzzle, solution = generate(key, self.blanks)
+        puzzle, solution = generate(key, self.blanks, self.size)
         z = jnp.zeros((), jnp.int32)
         return SudokuState(puzzle=puzzle, solution=solution, grid=puzzle, steps=z,
                            done=jnp.zeros((), bool), solved=jnp.zeros((), bool), fb=z,
@@ -461,10 +539,11 @@ class Sudoku(text_actions.TextActionEnv):
         echo = jnp.full((ECHO,), PAD, jnp.int32)
         k = min(L, ECHO)
         echo = echo.at[:k].set(x[:k])
-        in_row = (row >= 1) & (row <= SIZE)
-        in_col = (col >= 1) & (col <= SIZE)
-        in_num = (num >= 1) & (num <= SIZE)
-        r, c = jnp.clip(row - 1, 0, SIZE - 1), jnp.clip(col - 1, 0, SIZE - 1)
+        S = self.size
+        in_row = (row >= 1) & (row <= S)
+        in_col = (col >= 1) & (col <= S)
+        in_num = (num >= 1) & (num <= S)
+        r, c = jnp.clip(row - 1, 0, S - 1), jnp.clip(col - 1, 0, S - 1)
         initial = state.puzzle[r, c] != 0
         clash = jnp.any(conflicts(state.grid, r, c, num))
         fb = jnp.where(~found, FB_FORMAT, jnp.where(~in_row, FB_ROW, jnp.where(
@@ -497,13 +576,14 @@ class Sudoku(text_actions.TextActionEnv):
     def to_text(self, state):
         """The reference's `render()` (render_format `with_feedback`), host side."""
         grid, puzzle = np.asarray(state.grid), np.asarray(state.puzzle)
+        S, B = self.size, box_of(self.size)
         lines = []
-        for i in range(SIZE):
-            if i > 0 and i % BOX == 0:
-                lines.append("-" * (SIZE * 3 + BOX - 1))
+        for i in range(S):
+            if i > 0 and i % B == 0:
+                lines.append("-" * (S * 3 + B - 1))
             s = ""
-            for j in range(SIZE):
-                if j > 0 and j % BOX == 0:
+            for j in range(S):
+                if j > 0 and j % B == 0:
                     s += "| "
                 v = int(grid[i, j])
                 s += " . " if v == 0 else (f"[{v}]" if puzzle[i, j] != 0 else f" {v} ")
@@ -520,7 +600,7 @@ class Sudoku(text_actions.TextActionEnv):
                 if valid:
                     out.append(f"  - ({r + 1},{c + 1}): {valid}")
         filled, initial = int(np.count_nonzero(grid)), int(np.count_nonzero(puzzle))
-        out += ["", f"Progress: {filled}/{SIZE * SIZE} cells filled ({initial} initial, "
+        out += ["", f"Progress: {filled}/{S * S} cells filled ({initial} initial, "
                     f"{filled - initial} placed)", f"Steps: {int(state.steps)}/{self.max_steps}"]
         return "\n".join(out)
 
@@ -536,18 +616,18 @@ class Sudoku(text_actions.TextActionEnv):
             return (f"❌ Invalid action format: Could not parse action: '{echo}'. {EXPECTED}")
         if fb in (FB_ROW, FB_COL, FB_NUM):
             what, v = {FB_ROW: ("Row", row), FB_COL: ("Column", col), FB_NUM: ("Number", num)}[fb]
-            return f"❌ Invalid action format: {what} {v} is out of range (1-{SIZE})"
+            return f"❌ Invalid action format: {what} {v} is out of range (1-{self.size})"
         if fb == FB_INITIAL:
             return f"❌ Cannot modify initial cell at ({row},{col})"
         if fb == FB_CONFLICT:
-            r, c = row - 1, col - 1
-            br, bc = r // BOX, c // BOX
+            r, c, B = row - 1, col - 1, box_of(self.size)
+            br, bc = r // B, c // B
             parts = []
             if num in grid[r]:
                 parts.append(f"row {row}")
             if num in grid[:, c]:
                 parts.append(f"column {col}")
-            if num in grid[br * BOX:br * BOX + BOX, bc * BOX:bc * BOX + BOX]:
+            if num in grid[br * B:br * B + B, bc * B:bc * B + B]:
                 parts.append(f"box ({br + 1},{bc + 1})")
             text = f"❌ Invalid placement: {num} conflicts with {', '.join(parts)}"
             valid = _host_valid(grid, r, c)
@@ -561,15 +641,18 @@ class Sudoku(text_actions.TextActionEnv):
         return text
 
     def from_text(self, text):
-        """A level (nothing placed) from the reference's grid lines: the nine rows of `[N]`
-        (initial) and ` . ` (empty) cells, `|` and dash lines ignored. The solution is the
+        """A level (nothing placed) from the reference's grid lines: the nine (size) rows of
+        `[N]` (initial) and ` . ` (empty) cells, `|` and dash lines ignored. The solution is the
         host solver's first (ValueError if the grid has none)."""
+        S = self.size
         rows = [ln for ln in text.splitlines()
                 if re.fullmatch(r"\s*(\[\d\]|\.|\|)(\s*(\[\d\]|\.|\|))*\s*", ln)]
         cells = [re.findall(r"\[(\d)\]|(\.)", ln) for ln in rows]
-        if len(cells) != SIZE or any(len(r) != SIZE for r in cells):
-            raise ValueError("Sudoku text needs 9 grid lines of 9 cells `[N]` or `.`")
+        if len(cells) != S or any(len(r) != S for r in cells):
+            raise ValueError(f"Sudoku text needs {S} grid lines of {S} cells `[N]` or `.`")
         puzzle = np.array([[int(d) if d else 0 for d, _ in r] for r in cells], np.int32)
+        if puzzle.max() > S:
+            raise ValueError(f"Sudoku clue {puzzle.max()} is out of range (1-{S})")
         for r, c in zip(*np.nonzero(puzzle)):
             rest = puzzle.copy()
             rest[r, c] = 0
@@ -590,9 +673,11 @@ def _host_valid(grid, r, c) -> list:
     """The reference's sorted(get_valid_numbers(grid, r, c)) as a list (host)."""
     if grid[r, c] != 0:
         return []
-    b = grid[r // BOX * BOX:r // BOX * BOX + BOX, c // BOX * BOX:c // BOX * BOX + BOX]
+    S = grid.shape[0]
+    B = box_of(S)
+    b = grid[r // B * B:r // B * B + B, c // B * B:c // B * B + B]
     used = set(grid[r].tolist()) | set(grid[:, c].tolist()) | set(b.reshape(-1).tolist())
-    return sorted(set(range(1, SIZE + 1)) - used)
+    return sorted(set(range(1, S + 1)) - used)
 
 
 _REFERENCE_PATTERNS = (r"place\s+(\d+)\s+at\s+row\s+(\d+)\s+col\s+(\d+)",
@@ -617,8 +702,12 @@ def reference_parse(action: str):
 
 
 # envs.make(name): RAGEN-2's Sudoku (tags SimpleSudoku / MediumSudoku), 32 or 40 blanks (its
-# easy / medium), 81 env steps, 20 or 30 actions an episode
+# easy / medium), 81 env steps, 20 or 30 actions an episode. Sudoku4x4 is the reference's env
+# at grid_size 4 (no tag of its own there): its easy blanks (6 of 16 cells), one env step a
+# cell (the reference config's "one per cell") and 10 actions an episode (ours).
 VARIANTS = {
     "SimpleSudoku": (Sudoku, dict(blanks=BLANKS["easy"], max_steps=81, max_actions=20)),
     "MediumSudoku": (Sudoku, dict(blanks=BLANKS["medium"], max_steps=81, max_actions=30)),
+    "Sudoku4x4": (Sudoku, dict(size=4, blanks=blank_counts(4)["easy"], max_steps=16,
+                               max_actions=10)),
 }

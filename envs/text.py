@@ -213,7 +213,7 @@ def _sudoku_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
     legend, the last action's feedback (its frames, digit pieces, an unparsable answer's bytes
     one piece each), the valid numbers of the empty cells once at most 10 are left, and the
     progress and step lines."""
-    S, BOX = sudoku_lib.SIZE, sudoku_lib.BOX
+    S, BOX = env.size, sudoku_lib.box_of(env.size)
     names, pieces = {}, []
 
     def add(key, text):
@@ -221,7 +221,7 @@ def _sudoku_text(env, max_actions_per_turn, max_actions_per_traj) -> EnvText:
         pieces.append(text)
         return names[key]
 
-    def cell_text(code, last):  # code 0 empty, 1..9 placed, 10..18 initial
+    def cell_text(code, last):  # code 0 empty, 1..S placed, S+1..2S initial
         t = " . " if code == 0 else (f"[{code - S}]" if code > S else f" {code} ")
         return t.rstrip() if last else t
 

@@ -218,7 +218,9 @@ def test_bad_sft_configs_fail_at_start(lake, tmp_path):
         with pytest.raises(run_config.ConfigError, match=message):
             config_check.check(with_changes(config, **changes))
     # two Sudoku placements a reply: a table of 729 + 729^2 replies, refused before any work
-    two = with_changes(sudoku.get_config("tiny"), sft__steps=1, sft__actions_per_turn=2)
+    two = with_changes(sudoku.get_config("tiny"), sft__steps=1, sft__actions_per_turn=2,
+                       env__name="SimpleSudoku", env__options__size=9, env__options__blanks=32,
+                       rollout__max_actions_per_turn=2)
     with pytest.raises(run_config.ConfigError, match="sft.actions_per_turn=2: .* use 1"):
         config_check.check(two)
     three = with_changes(sokoban.get_config("tiny"), sft__steps=1, env__options__num_boxes=3)

@@ -37,8 +37,46 @@ def _batch(n, blanks, seed=0):
 
 
 def test_the_reference_blank_counts():
-    # generate_sudoku_puzzle's cells_to_remove for a 9x9 grid
+    # generate_sudoku_puzzle's cells_to_remove for a 9x9 and a 4x4 grid
     assert sudoku.BLANKS == {"easy": 32, "medium": 40, "hard": 48}
+    assert sudoku.blank_counts(4) == {"easy": 6, "medium": 8, "hard": 9}
+    assert envs.make("Sudoku4x4").blanks == 6
+
+
+def test_4x4_levels_the_solver_and_its_moves():
+    """The 4x4 grid (the reference's grid_size 4): generated levels are valid grids with the
+    blanks asked for; the jittable solver completes each, the host search's very one where
+    that is unique; the solver's moves (`R,C,N` of 64 answers) played through `step` solve
+    every level, each paying 1 or 0.5, the last with the completion bonus."""
+    env = envs.make("Sudoku4x4")
+    assert len(env.move_names) == 64 and env.move_names[:2] == ("1,1,1", "1,1,2")
+    names = jnp.asarray(np.array([list(sudoku.answer_bytes(m + "     ")) for m in env.move_names]))
+
+    @jax.jit
+    def play(key):
+        state = env.reset(key)
+        found, ok = sudoku.solve(state.puzzle)
+
+        def turn(state, _):
+            moves, n = envs.next_moves(env, state, 1)
+            state, reward, done, info = env.step(None, state, names[moves[0]])
+            return state, (n, reward, info["action_is_valid"])
+
+        final, per_step = jax.lax.scan(turn, state, None, length=7)
+        return state.puzzle, state.solution, found, ok, final.solved, per_step
+
+    puzzle, solution, found, ok, solved, (n, reward, valid) = jax.device_get(
+        jax.vmap(play)(jax.random.split(jax.random.key(4), 32)))
+    assert len({s.tobytes() for s in solution}) > 8
+    for p, s, f in zip(puzzle, solution, found):
+        assert p.shape == (4, 4) and sudoku.is_valid_solution(s) and (p == 0).sum() == 6
+        assert np.array_equal(p[p != 0], s[p != 0]) and _brute_force_check(p, f)
+        count, host = sudoku.count_solutions(p, limit=2)
+        if count == 1:
+            assert np.array_equal(f, host)
+    assert ok.all() and solved.all()
+    assert (n[:, :6] == 1).all() and (n[:, 6] == 0).all() and valid[:, :6].all()
+    assert np.isin(reward[:, :5], [1.0, 0.5]).all() and np.isin(reward[:, 5], [11.0, 10.5]).all()
 
 
 @pytest.mark.parametrize("blanks", [0, 32, 40, 81])
@@ -261,6 +299,9 @@ def _case_state(env, case):
 
 
 def _case_env(case):
+    if case["size"] == 4:  # the reference's grid_size 4: our tag Sudoku4x4, its blank counts
+        return envs.make("Sudoku4x4", blanks=sudoku.blank_counts(4)[case["difficulty"]],
+                         max_steps=case["max_steps"])
     return envs.make("SimpleSudoku" if case["difficulty"] == "easy" else "MediumSudoku",
                      max_steps=case["max_steps"])
 
@@ -438,11 +479,14 @@ def test_play_seed_zero(tiny_tokenizer):
 
 @pytest.mark.parametrize("options", [dict(blanks=82), dict(blanks="32"), dict(max_steps=0),
                                      dict(max_actions=True), dict(completion_bonus="10"),
-                                     dict(difficulty="easy")])
+                                     dict(difficulty="easy"), dict(size=16), dict(size="4"),
+                                     dict(size=4)])  # the last: 32 blanks of 16 cells
 def test_bad_env_options_are_one_line_errors(options):
     with pytest.raises(ValueError) as err:
         envs.make("SimpleSudoku", **options)
     assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"blanks must be an int in \[0, 16\]"):
+        envs.make("Sudoku4x4", blanks=17)
 
 
 def test_bad_level_text_raises():
@@ -450,3 +494,10 @@ def test_bad_level_text_raises():
     for text in ("", "[1] . .", "\n".join(["[1][1] .  .  .  .  .  .  ."] * 9)):
         with pytest.raises(ValueError):
             env.from_text(text)
+    # a 4x4 level reads back from its text; a 9x9 one, or a clue past 4, does not
+    case = next(c for c in GOLDEN["cases"] if c["size"] == 4)
+    small = _case_env(case)
+    assert np.array_equal(np.asarray(small.from_text(case["text"]).puzzle), case["puzzle"])
+    for text in (GOLDEN["cases"][0]["text"], case["text"].replace("[1]", "[5]", 1)):
+        with pytest.raises(ValueError):
+            small.from_text(text)
