@@ -89,7 +89,8 @@ def bench_jax(name, batch, scan, min_seconds):
     key_sets = [jax.random.split(jax.random.key(i), batch) for i in range(4)]
     rng = np.random.default_rng(0)
     if getattr(env, "text_actions", False):  # answers as bytes [scan, batch, W]
-        answers = _placements(rng, 256) if isinstance(env, sudoku.Sudoku) else _answers(rng, 256)
+        answers = (_placements(rng, 256, env.size) if isinstance(env, sudoku.Sudoku)
+                   else _answers(rng, 256))
         pool = np.stack([countdown.answer_bytes(a, ANSWER_WIDTH) for a in answers])
         action_sets = [jnp.asarray(pool[rng.integers(0, len(pool), (scan, batch))]) for _ in range(4)]
     else:
@@ -162,12 +163,12 @@ def _answers(rng, n):
     return out
 
 
-def _placements(rng, n):
-    """n Sudoku answers: random placements, most `R,C,N`, one in 8 `place N at row R col C`,
-    one in 16 unparsable."""
+def _placements(rng, n, size=sudoku.SIZE):
+    """n Sudoku answers: random placements on a size x size grid, most `R,C,N`, one in 8
+    `place N at row R col C`, one in 16 unparsable."""
     out = []
     for _ in range(n):
-        r, c, d = rng.integers(1, 10, 3)
+        r, c, d = rng.integers(1, size + 1, 3)
         kind = rng.integers(0, 16)
         out.append("no idea" if kind == 0 else f"place {d} at row {r} col {c}" if kind < 3
                    else f"{r},{c},{d}")

@@ -21,9 +21,9 @@ blanks, 30 actions) is `--config.env.name=MediumSudoku --config.val.tags=MediumS
 from configs import common
 
 # envs.make("SimpleSudoku", **OPTIONS): blanks, the env's step budget, the agent's action
-# budget, the reference's rewards
+# budget, the reference's rewards, the grid's side (9; 4 is the reference's grid_size 4)
 OPTIONS = dict(blanks=32, max_steps=81, max_actions=20, correct_placement_score=1.0,
-               invalid_action_score=-0.1, completion_bonus=10.0)
+               invalid_action_score=-0.1, completion_bonus=10.0, size=9)
 
 
 def get_config(arg=None):

@@ -73,7 +73,10 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "algorithm.gigpo_episode_over_steps": True,
               # runs before LoRA trained every weight (rank 0)
               "model.lora.rank": 0, "model.lora.alpha": 16.0,
-              "model.lora.target_modules": "all-linear"}
+              "model.lora.target_modules": "all-linear",
+              # Sudoku runs before its 4x4 grid played the 9x9 one; added only where this config
+              # has the key (the other envs' options never had it, or always saved their own)
+              "env.options.size": 9}
 
 
 def enable_compilation_cache(directory: str | None = None) -> None:
@@ -105,8 +108,8 @@ def _flat(d, prefix=""):
 
 def check_resumable(saved_json: str, config) -> None:
     """A workdir's saved config must equal this one except for RESUMABLE_CHANGES."""
-    saved = {**ADDED_KEYS, **_flat(json.loads(saved_json))}
     now = _flat(json.loads(config_json(config)))
+    saved = {**{k: v for k, v in ADDED_KEYS.items() if k in now}, **_flat(json.loads(saved_json))}
     for key in sorted(set(saved) | set(now)):
         if key in RESUMABLE_CHANGES:
             continue

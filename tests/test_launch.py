@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from configs import bandit, frozenlake, sokoban
+from configs import bandit, frozenlake, sokoban, sudoku
 from starpo import harness, precision, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,6 +167,18 @@ def test_a_run_saved_before_a_key_was_added_still_resumes():
     other.algorithm.lr_decay_steps = 100
     with pytest.raises(ValueError, match="algorithm.lr_decay_steps"):
         harness.check_resumable(json.dumps(saved), other)
+    # an env option added to one env (Sudoku's grid size): an older Sudoku run resumes at 9;
+    # a run of an env without that option is not given it
+    c = sudoku.get_config()
+    saved = json.loads(harness.config_json(c))
+    del saved["env"]["options"]["size"]
+    harness.check_resumable(json.dumps(saved), c)
+    c.unlock()
+    c.env.options.size = 4
+    with pytest.raises(ValueError, match="env.options.size"):
+        harness.check_resumable(json.dumps(saved), c)
+    c = bandit.get_config("tiny")
+    harness.check_resumable(harness.config_json(c), c)
 
 
 def test_a_gpu_variant_on_a_machine_without_one_says_so_in_one_line(capsys):
