@@ -299,11 +299,18 @@ def _case_state(env, case):
 
 
 def _case_env(case):
-    if case["size"] == 4:  # the reference's grid_size 4: our tag Sudoku4x4, its blank counts
-        return envs.make("Sudoku4x4", blanks=sudoku.blank_counts(4)[case["difficulty"]],
-                         max_steps=case["max_steps"])
+    if case["size"] == 4:  # the reference's grid_size 4: our tag Sudoku4x4 (its blank count
+        # only draws levels; a case's level is its own), one env and compiled step for all
+        return envs.make("Sudoku4x4", max_steps=case["max_steps"])
     return envs.make("SimpleSudoku" if case["difficulty"] == "easy" else "MediumSudoku",
                      max_steps=case["max_steps"])
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(env):
+    """(text, jitted render, jitted step) of an env, shared by the cases that use it."""
+    etext = env_text.make_text(env)
+    return etext, jax.jit(etext.render), jax.jit(env.step)
 
 
 def test_the_fixture_covers_every_feedback_and_format():
@@ -326,8 +333,7 @@ def test_text_and_rewards_are_the_reference(index):
     done and the info flags after every step."""
     case = GOLDEN["cases"][index]
     env = _case_env(case)
-    etext = env_text.make_text(env)
-    render, step = jax.jit(etext.render), jax.jit(env.step)
+    etext, render, step = _compiled(env)
     state = _case_state(env, case)
     assert env.to_text(state) == case["text"]
     env_text.check_render(etext, env, state)
