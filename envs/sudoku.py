@@ -500,8 +500,7 @@ class Sudoku(text_actions.TextActionEnv):
         """The answers the solver writes (envs/solvers.py `next_moves`): placement (r, c, n),
         all 1-based, is move ((r - 1) * S + c - 1) * S + n - 1, `r,c,n` in the reference's
         format (729 of them on the 9x9 grid, 64 on the 4x4)."""
-        s = range(1, self.size + 1)
-        return tuple(f"{r},{c},{n}" for r in s for c in s for n in s)
+        return _move_names(self.size)
 
     def __post_init__(self):
         check_size(self.size)
@@ -667,6 +666,12 @@ class Sudoku(text_actions.TextActionEnv):
                            grid=jnp.asarray(puzzle), steps=z, done=jnp.zeros((), bool),
                            solved=jnp.zeros((), bool), fb=z, fb_num=z, fb_row=z, fb_col=z,
                            echo=jnp.full((ECHO,), PAD, jnp.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def _move_names(size: int) -> tuple:
+    s = range(1, size + 1)
+    return tuple(f"{r},{c},{n}" for r in s for c in s for n in s)
 
 
 def _host_valid(grid, r, c) -> list:
