@@ -491,6 +491,9 @@ def test_bad_env_options_are_one_line_errors(options):
     with pytest.raises(ValueError) as err:
         envs.make("SimpleSudoku", **options)
     assert "\n" not in str(err.value)
+
+
+def test_a_4x4_grid_holds_at_most_16_blanks():
     with pytest.raises(ValueError, match=r"blanks must be an int in \[0, 16\]"):
         envs.make("Sudoku4x4", blanks=17)
 
