@@ -53,7 +53,8 @@ def steps(a) -> dict:
         "tests": (a.tests_s, py + ["-m", "pytest", "-q", "-p", "no:cacheprovider",
                                    f"-n={a.workers}", "-o", "addopts=-m 'not multiprocess'",
                                    *a.tests.split(",")]),
-        "update": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape]),
+        "update": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
+                                   f"--torch_variants={a.torch_variants}"]),
         "sampler": (a.step_s, py + ["-m", "benchmarks.sampler", f"--model={model}", *sample,
                                     "--dtype=bfloat16", "--cache_dtype=bfloat16"]),
         "iteration": (a.step_s, py + ["-m", "benchmarks.train_step", f"--config={config}",
@@ -167,6 +168,9 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers")
     p.add_argument("--tests_s", type=float, default=240, help="time limit of the tests, s")
     p.add_argument("--step_s", type=float, default=150, help="time limit of each benchmark, s")
+    p.add_argument("--torch_variants", default="bf16_autocast",
+                   help="PyTorch update steps beside JAX's (float32 at the 0.5B shape needs ~126 GB: "
+                        "more than an H100 has)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU check of the command)")
     a = p.parse_args(argv)
     plan = steps(a)

@@ -240,7 +240,7 @@ def memory_plan(exp, log=metrics_lib.say) -> list:
                          contexts=(exp.rollout.context, max(
                              [vs.rollout.context for vs in exp.val_sets.values()] or [0])),
                          attention=model_lib.kernels(exp.policy.cfg.replace(
-                             dtype=dtypes["update"])))
+                             dtype=dtypes["update"])), workspace=memory.matmul_workspace())
     capacity, where = memory.device_capacity()
     if jax.process_index() == 0:
         log(memory.describe(phases, capacity, where))

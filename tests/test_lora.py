@@ -63,7 +63,12 @@ def test_fresh_adapters_give_the_base_models_logits_exactly(base):
         assert a.shape == x.shape, path
     want, _ = model_lib.forward(m.params, m.cfg, tokens, valid)
     got, _ = model_lib.forward(params, cfg, tokens, valid)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # bit for bit on the CPU; a GPU picks its matmul kernels per program, so the adapted
+    # program's sums run in another order (measured on an H100: at most 1.5e-6 apart)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert lora.num_adapter_params(cfg) == sum(
         x.size for x in jax.tree_util.tree_leaves(lora.split(params)[0]))
 
@@ -113,7 +118,9 @@ def test_gradients_reach_only_the_adapters_and_the_value_head(base):
     full = leaves_by_path(jax.grad(loss)(params))
     for name, g in leaves_by_path(grads).items():
         np.testing.assert_allclose(np.asarray(g), np.asarray(full[name]), rtol=1e-5, atol=1e-7)
-    assert math.isclose(float(value), float(loss(params)), rel_tol=1e-6)
+    # the same program on the CPU; on a GPU two programs' sums in another order (H100: 1.1e-6)
+    assert math.isclose(float(value), float(loss(params)),
+                        rel_tol=1e-6 if jax.default_backend() == "cpu" else 1e-5)
     # without adapters everything trains, as before
     train, frozen = lora.split(m.params)
     assert train is m.params and frozen == {}
