@@ -62,15 +62,23 @@ def success(grid, pos, moves, policy, slippery: bool = True):
 def exact_success(levels: int, moves: int, slippery: bool = True) -> dict:
     """{policy: mean exact success} over validation levels 0..levels-1 of the lake (the
     frozenlake configs' OPTIONS, `slippery` or not), one move a turn for `moves` turns:
-    "optimum", "solver", "towards the goal", "constant <move>" and "best constant move"."""
+    "optimum", "solver", "towards the goal", "constant <move>", "best constant move" and, on
+    the non-slippery lake, "slippery lake's solver"."""
     env = envs.make("FrozenLake", **{**OPTIONS, "is_slippery": slippery})
     states, _ = rollout.initial_states(env, jax.random.key(0), jnp.int32(0), rollout.VALIDATION,
                                        levels, 1)
     grids, starts = np.asarray(states.grid), np.asarray(states.pos)
     n = env.size
     cells = jnp.asarray([(r, c) for r in range(n) for c in range(n)], jnp.int32)
-    plan = jax.jit(jax.vmap(lambda g, p: solvers.next_moves(
-        env, frozenlake.FrozenLakeState(grid=g, pos=p), 1)[0][0], in_axes=(None, 0)))
+    def planner(e):  # the solver's move from every cell of a grid
+        return jax.jit(jax.vmap(lambda g, p: solvers.next_moves(
+            e, frozenlake.FrozenLakeState(grid=g, pos=p), 1)[0][0], in_axes=(None, 0)))
+
+    plan = planner(env)
+    # on the non-slippery lake also the slippery lake's solver (what a model trained on the
+    # paper's lake plays there): it steps sideways around holes that cannot be slid into
+    plan_slippery = None if slippery else planner(
+        envs.make("FrozenLake", **{**OPTIONS, "is_slippery": True}))
     deltas = [tuple(d) for d in np.asarray(frozenlake._DELTAS).tolist()]
 
     def towards(grid):
@@ -83,6 +91,8 @@ def exact_success(levels: int, moves: int, slippery: bool = True) -> dict:
         return policy
 
     rows = {"optimum": [], "solver": [], "towards the goal": []}
+    if plan_slippery is not None:
+        rows["slippery lake's solver"] = []
     rows.update({f"constant {a}": [] for a in env.action_names})
     for grid, start in zip(grids, starts):
         table = np.asarray(plan(jnp.asarray(grid), cells)).reshape(n, n)
@@ -90,6 +100,10 @@ def exact_success(levels: int, moves: int, slippery: bool = True) -> dict:
         rows["solver"].append(success(grid, start, moves, lambda cell, k, t=table: t[cell],
                                       slippery))
         rows["towards the goal"].append(success(grid, start, moves, towards(grid), slippery))
+        if plan_slippery is not None:
+            other = np.asarray(plan_slippery(jnp.asarray(grid), cells)).reshape(n, n)
+            rows["slippery lake's solver"].append(
+                success(grid, start, moves, lambda cell, k, t=other: t[cell], slippery))
         for i, a in enumerate(env.action_names):
             rows[f"constant {a}"].append(success(grid, start, moves, lambda cell, k, i=i: i,
                                                  slippery))
@@ -102,7 +116,7 @@ def main(argv):
     del argv
     out = exact_success(FLAGS.levels, FLAGS.moves, FLAGS.slippery)
     for k, v in out.items():
-        print(f"{k:18s} {v:.4f}  ({v / out['solver']:.0%} of the solver)")
+        print(f"{k:22s} {v:.4f}  ({v / out['solver']:.0%} of the solver)")
     print(json.dumps({"levels": FLAGS.levels, "moves": FLAGS.moves, "slippery": FLAGS.slippery,
                       "success": out}))
 

@@ -31,3 +31,33 @@ def test_slippery_figures_are_ordered_and_below_the_non_slippery_ones():
     slip = lake_baselines.exact_success(16, 3, slippery=True)
     assert slip["optimum"] >= slip["solver"] >= slip["best constant move"] > 0
     assert slip["solver"] < lake_baselines.exact_success(16, 3, slippery=False)["solver"]
+
+
+def test_the_slippery_solver_on_the_non_slippery_lake_is_its_moves_played_there():
+    """The row a model trained on the paper's lake is read against on RAGEN-2's: the slippery
+    env's solver asked for a move at each cell, the move played by the non-slippery env's own
+    step (one outcome a level, no slips), success counted."""
+    from envs import solvers
+
+    levels, moves = 32, 5
+    got = lake_baselines.exact_success(levels, moves, slippery=False)["slippery lake's solver"]
+    slippery = envs.make("FrozenLake", **{**OPTIONS, "is_slippery": True})
+    plain = envs.make("FrozenLake", **{**OPTIONS, "is_slippery": False})
+    states, _ = rollout.initial_states(plain, jax.random.key(0), jnp.int32(0), rollout.VALIDATION,
+                                       levels, 1)
+    plan = jax.jit(lambda s: solvers.next_moves(slippery, s, 1))
+    step = jax.jit(plain.step)
+    wins = 0
+    for i in range(levels):
+        s = jax.tree_util.tree_map(lambda x: x[i], states)
+        for _ in range(moves):
+            names, n = plan(s)
+            if int(n) == 0:
+                break
+            action = plain.action_names.index(solvers.move_names(slippery)[int(names[0])]) + 1
+            s, _, done, info = step(jax.random.key(0), s, action)
+            if bool(info["success"]) or bool(done):
+                wins += bool(info["success"])
+                break
+    assert got == round(wins / levels, 4)
+    assert got < lake_baselines.exact_success(levels, moves, slippery=False)["solver"]
