@@ -205,10 +205,10 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # 128 = the training batch, so both fit one 80 GB accelerator and, for the training env,
         # share one compiled rollout. The arithmetic (XLA's compiled memory analysis of the
         # SmolLM2-135M rollout, float32 as on CPU; bfloat16 on an accelerator needs less):
-        # 8 FrozenLake episodes at its 2752-slot cache take 3.63 GB of temporaries, <= 453 MB
-        # an episode (linear in the episodes), x 128 = 58 GB, plus ~3.3 GB of float32 weights,
-        # critic and Adam moments; Sokoban's 3072 slots: ~506 MB, x 128 = 65 GB. All 256 at
-        # once would need ~116 GB (issue 27: 576 MB an episode at the old 3600 slots).
+        # 8 FrozenLake episodes at its 2752-slot cache take 3.04 GB of temporaries, <= 380 MB
+        # an episode (linear in the episodes), x 128 = 49 GB, plus ~3.3 GB of float32 weights,
+        # critic and Adam moments (453 MB an episode before the rollout held its cache once;
+        # issue 27: 576 MB at the old 3600 slots). All 256 at once would need ~97 GB.
         batch_size=128,
     ))
 
@@ -351,7 +351,8 @@ def gpu(c: ml_collections.ConfigDict) -> None:
     GPU"): an SFT step of 32 demonstrations 0.24 s, an RL step 0.7-1.0 s, each validation of
     2 x 256 levels a few seconds once compiled; 500 SFT steps brought the slippery lake to the
     solver's success, and 40 RL steps after them at these rates held it but moved nothing
-    (PPO KL and clip fraction 0: a larger actor_lr is the next thing to measure).
+    (one on-policy Adam step a batch at lr 1e-5 on a near-deterministic policy: larger rates
+    or more updates per batch are the next thing to measure).
 
     Why each value: the paper's batch (8 groups x 16 episodes of 5 turns) and StarPO-S (a critic,
     the filter keeping a quarter of the groups, decoupled clipping); thinking off and short

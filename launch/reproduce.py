@@ -168,6 +168,9 @@ def _tables():
                                for t in ("FrozenLake", "FrozenLakeNonSlippery")},
             "best constant move (exact)": {t: Cell(None, t, None, exact="best constant move")
                                            for t in ("FrozenLake", "FrozenLakeNonSlippery")},
+            # what a model trained on the slippery lake plays on the other one
+            "slippery lake's solver (exact)": {"FrozenLakeNonSlippery": Cell(
+                None, "FrozenLakeNonSlippery", None, exact="slippery lake's solver")},
             **{row: {"FrozenLake": Cell(Run(algo, "FrozenLake"), "FrozenLake", None),
                      "FrozenLakeNonSlippery": Cell(Run(algo, "FrozenLake"),
                                                    "FrozenLakeNonSlippery", None),

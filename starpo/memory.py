@@ -13,8 +13,8 @@ structure (the buffers XLA's buffer assignment shows for them):
   frozen base in the update's dtype, which the actor, the critic copy and the reference share,
   and float32 adapters with their moments per model.
 - rollout / validation (B episodes at once, cache S slots): the KV cache, 2 x L x B x K x S x E
-  in the decode dtype, held about 1.5 times over inside the episode loop (3 times with decode
-  windows: each window's decode loop holds its slice of it); the weights cast for decoding (one more
+  in the decode dtype, in per-layer buffers updated in place (twice over with decode windows:
+  the switch's whole-cache branch decodes on a copy); the weights cast for decoding (one more
   copy of them); the prefill of a P-token prompt chunk: its scores, in blocks of
   Q = `model.CACHE_QUERY_BLOCK` queries, 2 x B x H x S x Q floats over the cache and
   3 x B x H x Q x P over the chunk itself, and its activations (per token two MLP-wide matmul
@@ -82,18 +82,22 @@ def state_parts(algo, cfg: ModelConfig, model_shards: int, base_dtype: str = "fl
 
 
 def prefill_parts(cfg: ModelConfig, rows: float, slots: int, prompt_tokens: int, *,
-                  dtype: str) -> tuple:
+                  dtype: str, split: bool = False) -> tuple:
     """(what, bytes) of appending a chunk of `prompt_tokens` tokens to a cache of `slots` slots
     in `rows` rows, beyond the cache and the weights: its attention scores (blocks of
     `CACHE_QUERY_BLOCK` queries) and its activations (the matmul outputs in `dtype`, the
-    residual stream in float32, every layer's new keys and values)."""
+    residual stream in float32, every layer's new keys and values). split: the cache in
+    per-layer buffers (`model.split_cache`, as the rollout keeps it): each layer writes its
+    new keys and values in place and a block of queries attends over the cache alone."""
     L, D, H, K, E, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim, cfg.intermediate_size)
     P = min(prompt_tokens, slots)
     Q = min(CACHE_QUERY_BLOCK, P)
+    scores = 2 * rows * H * slots * Q + (0 if split else 3 * rows * H * Q * P)
+    new_kv = 0 if split else 2 * L * K * E
     return (
-        ("prompt prefill scores", (2 * rows * H * slots * Q + 3 * rows * H * Q * P) * 4),
-        ("prompt prefill activations", rows * P * ((2 * F + 2 * L * K * E) * _bytes(dtype)
+        ("prompt prefill scores", scores * 4),
+        ("prompt prefill activations", rows * P * ((2 * F + new_kv) * _bytes(dtype)
                                                    + 4 * D * 4)),
     )
 
@@ -103,11 +107,13 @@ def episode_parts(cfg: ModelConfig, rows: float, slots: int, *, decode_dtype: st
     """(what, bytes) of playing `rows` episodes (per device) with a cache of `slots` slots."""
     L, K, E = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     kv = 2 * L * rows * K * slots * E * _bytes(decode_dtype)
-    copies = 1.5 + (1.5 if windows > 1 else 0.0)  # XLA:CPU's buffers at 768-3600 slots
+    # the rollout keeps per-layer buffers for good and decodes on them in place; with decode
+    # windows the whole-cache branch of the window switch works on a copy (XLA:CPU's buffers)
+    copies = 1.0 + (1.0 if windows > 1 else 0.0)
     return (
         ("KV cache (held ~%.1fx in the loop)" % copies, copies * kv),
         ("weights cast for decoding", cfg.num_params * _bytes(decode_dtype) / model_shards),
-        *prefill_parts(cfg, rows, slots, prompt_tokens, dtype=decode_dtype),
+        *prefill_parts(cfg, rows, slots, prompt_tokens, dtype=decode_dtype, split=True),
         ("slot rows and trajectory", rows * slots * 30),
     )
 

@@ -152,15 +152,23 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
-               turns: bool = False) -> KVCache:
+               turns: bool = False, split: bool = False) -> KVCache:
     """An empty cache for `batch` rows of up to `max_len` slots (turns=True: with the per-slot
-    turn ids a `TurnWindow` needs, PREFIX_TURN until written)."""
+    turn ids a `TurnWindow` needs, PREFIX_TURN until written; split=True: k and v as tuples
+    of per-layer [B,K,S,E] buffers, as `split_cache` makes them, from the start)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     kv_axes = ("layers", "batch", "kv_heads", "length", "head_dim")
+
+    def buffers():
+        if split:
+            return tuple(constrain(jnp.zeros(shape[1:], dtype), kv_axes[1:])
+                         for _ in range(cfg.num_layers))
+        return constrain(jnp.zeros(shape, dtype), kv_axes)
+
     return KVCache(
-        k=constrain(jnp.zeros(shape, dtype), kv_axes),
-        v=constrain(jnp.zeros(shape, dtype), kv_axes),
+        k=buffers(),
+        v=buffers(),
         valid=constrain(jnp.zeros((batch, max_len), bool), ("batch", "length")),
         end=constrain(jnp.zeros((batch,), jnp.int32), ("batch",)),
         pos=constrain(jnp.zeros((batch,), jnp.int32), ("batch",)),
@@ -774,7 +782,7 @@ def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     slots = jnp.where(valid, cache.end[:, None] + t[None, :], cache.max_len)
     kv, cache_valid = (cache.k, cache.v), cache.valid
-    if split:
+    if split and not fresh:
         # each layer writes its own buffers first, then attends over the slots visible to a
         # query: those that held a token already or get a valid chunk token t' <= t, inside
         # t's window (the slots' turns once the chunk's are written)
@@ -974,8 +982,7 @@ def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None
 
     fresh=True promises that the cache holds nothing yet (a first prefill): the chunk then
     attends causally to itself alone, as without a cache (`causal_attention`, skipping
-    the empty slots), and its keys/values are written as usual (stacked layers only: over
-    split buffers it changes nothing).
+    the empty slots), and its keys/values are written as usual (stacked or split buffers).
 
     window: a `TurnWindow` (the chunk's turns) or None (everything causal is seen). With a
     cache its slots' turns are read from and written into `cache.turn`.
@@ -985,8 +992,8 @@ def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None
     loop over per-layer buffers (see "split buffers" below). The numbers are the same.
     """
     valid = valid.astype(bool)
-    split = _is_split(params["layers"]) or (cache is not None and _is_split(cache.k))
-    stacked_cache = cache is not None and not _is_split(cache.k)
+    split = is_split(params["layers"]) or (cache is not None and is_split(cache.k))
+    stacked_cache = cache is not None and not is_split(cache.k)
     if split:
         params = split_layers(params)
         cache = None if cache is None else split_cache(cache)
@@ -1004,6 +1011,9 @@ def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None
         # donated by the sampler); padding goes to an out-of-range slot and is dropped.
         k = cache.k.at[:, rows, :, slots].set(jnp.moveaxis(k, 0, 2), mode="drop")
         v = cache.v.at[:, rows, :, slots].set(jnp.moveaxis(v, 0, 2), mode="drop")
+    elif fresh:  # the layers returned the chunk's keys/values: each into its layer's buffer
+        k = tuple(b.at[rows, :, slots].set(x, mode="drop") for b, x in zip(cache.k, k))
+        v = tuple(b.at[rows, :, slots].set(x, mode="drop") for b, x in zip(cache.v, v))
     new_cache = _advance(cache, valid, rows, slots, k, v, window)
     return hidden, stack_cache(new_cache) if stacked_cache else new_cache
 
@@ -1021,7 +1031,7 @@ def _run_layers(cfg: ModelConfig, layers, x, kv, shared):
 
     if cfg.remat:
         block = jax.checkpoint(block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat_policy])
-    if not _is_split(layers):
+    if not is_split(layers):
         def step(x, layer_kv):
             return block(layer_kv[0], x, layer_kv[1], shared)
         return jax.lax.scan(step, x, (layers, kv))
@@ -1050,7 +1060,7 @@ def head_values(params, cfg: ModelConfig, hidden):
 # as much traffic again as the attention itself. Split once per sampler call into per-layer
 # arrays (weights and cache), then each decode step reads every buffer in place and writes
 # its new keys/values into the layer's own buffer.
-def _is_split(x) -> bool:
+def is_split(x) -> bool:
     return isinstance(x, (tuple, list))
 
 
@@ -1063,7 +1073,7 @@ def split_layers(params):
     """Params whose stacked `layers` subtree [L,...] becomes a tuple of L per-layer subtrees
     (a copy of the layer weights: do it once, outside a decode loop)."""
     layers = params["layers"]
-    if _is_split(layers):
+    if is_split(layers):
         return params
     n = jax.tree_util.tree_leaves(layers)[0].shape[0]
     return {**params, "layers": tuple(jax.tree_util.tree_map(lambda p, i=i: p[i], layers)
@@ -1072,7 +1082,7 @@ def split_layers(params):
 
 def split_cache(cache: KVCache) -> KVCache:
     """The cache with k and v as tuples of per-layer [B,K,S,E] arrays (see `stack_cache`)."""
-    if _is_split(cache.k):
+    if is_split(cache.k):
         return cache
     n = cache.k.shape[0]
     return cache.replace(k=tuple(cache.k[i] for i in range(n)),
@@ -1081,6 +1091,6 @@ def split_cache(cache: KVCache) -> KVCache:
 
 def stack_cache(cache: KVCache) -> KVCache:
     """Inverse of `split_cache`: k and v as stacked [L,B,K,S,E] arrays."""
-    if not _is_split(cache.k):
+    if not is_split(cache.k):
         return cache
     return cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))

@@ -685,7 +685,7 @@ def make_mixed_rollout(mix, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpe
         if merge_adapters:
             params = lora.merge(adapted_cfg, params, jnp.dtype(model_cfg.dtype))[1]
         pstate = sampler_lib.init_state(model_cfg, group_id.shape[0], T, spec.cache_dtype,
-                                        turns=spec.context_window > 0)
+                                        turns=spec.context_window > 0, split=True)
         policy = _model_policy(smp, params, temperature, stop_table)
         traj, metrics, _ = _play_episodes(setup, policy, _SamplerView(pstate), env_states,
                                          group_id, key)

@@ -74,11 +74,14 @@ NOT_RUN, EOS, STOP_STRING, BUDGET, CONTEXT_FULL = 0, 1, 2, 3, 4
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int, cache_dtype=None,
-               turns: bool = False) -> SamplerState:
-    """An empty state; turns=True keeps each slot's dialogue turn (a context window)."""
+               turns: bool = False, split: bool = False) -> SamplerState:
+    """An empty state; turns=True keeps each slot's dialogue turn (a context window);
+    split=True keeps the cache as per-layer buffers (`model.split_cache`) for good: a turn
+    then decodes on them in place instead of on a per-layer copy of the stacked cache, which
+    halves the cache's memory in a rollout (what `rollout` uses; the numbers are the same)."""
     rows = lambda dtype: constrain(jnp.zeros((batch, max_len), dtype), ("batch", "length"))  # noqa: E731
     return SamplerState(
-        cache=model_lib.init_cache(cfg, batch, max_len, cache_dtype, turns),
+        cache=model_lib.init_cache(cfg, batch, max_len, cache_dtype, turns, split),
         tokens=rows(jnp.int32), logprobs=rows(jnp.float32), generated=rows(bool))
 
 
@@ -227,10 +230,10 @@ class Sampler:
                      active, token_bytes)
 
     def generate(self, params, prompt, prompt_valid, key, temperature, cache_len: int,
-                 token_bytes=None, cache_dtype=None):
-        """One turn from an empty state: prompt [B,P] -> (state, Turn)."""
+                 token_bytes=None, cache_dtype=None, split: bool = False):
+        """One turn from an empty state: prompt [B,P] -> (state, Turn) (split: `init_state`'s)."""
         B = prompt.shape[0]
-        state = init_state(self.cfg, B, cache_len, cache_dtype)
+        state = init_state(self.cfg, B, cache_len, cache_dtype, split=split)
         return run_turn(self, params, state, prompt, prompt_valid, key,
                         jnp.float32(temperature), jnp.ones((B,), bool), token_bytes, fresh=True)
 
@@ -332,11 +335,16 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
     reason = jnp.where(active & ~live, CONTEXT_FULL, NOT_RUN).astype(jnp.int32)
     plan = _Plan(chunk, write, span, live, reason, key, jnp.asarray(turn, jnp.int32))
 
+    windows = window_sizes(S, s.decode_windows)
+    # per-layer buffers kept for good and several windows: each window's program returns only
+    # the slots this turn wrote, scattered into the buffers here, so no program of the switch
+    # writes the whole cache (XLA copies a switch operand that a branch both reads and updates)
+    new_slots = C + N if model_lib.is_split(state.cache.k) and len(windows) > 1 else 0
+
     def turn_in(W):
         return lambda _: _turn_in_window(s, W, pre_cfg, pre_params, split_params, state, plan,
-                                         temperature, token_bytes, fresh)
+                                         temperature, token_bytes, fresh, new_slots)
 
-    windows = window_sizes(S, s.decode_windows)
     if len(windows) == 1:
         c = turn_in(S)(None)
     else:  # every row's chunk, and a live row's whole reply, must fit in the window
@@ -344,6 +352,17 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
                                  jnp.where(jnp.any(write, axis=1), state.cache.end + span, 0)))
         c = jax.lax.switch(jnp.sum(jnp.asarray(windows) < need), [turn_in(W) for W in windows],
                            None)
+    if new_slots:
+        at = state.cache.end[:, None] + jnp.arange(new_slots)[None, :]  # [B,C+N]
+        slots = jnp.where(at < c.cache.end[:, None], at, S)  # what was not written: dropped
+        rows = jnp.arange(chunk.shape[0])[:, None]
+
+        def put(buffers, blocks):  # blocks [B,K,C+N,E] -> in place into [B,K,S,E]
+            return tuple(b.at[rows, :, slots].set(jnp.moveaxis(n, 2, 1), mode="drop")
+                         for b, n in zip(buffers, blocks))
+
+        c = c.replace(cache=c.cache.replace(k=put(state.cache.k, c.cache.k),
+                                            v=put(state.cache.v, c.cache.v)))
     new_state = SamplerState(cache=c.cache, tokens=c.tokens_buf, logprobs=c.lp_buf,
                              generated=c.gen_buf)
     return new_state, Turn(c.out_tokens, c.out_logp, c.length, c.reason)
@@ -351,16 +370,23 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
 
 def _turn_in_window(s: Sampler, W: int, pre_cfg, pre_params, split_params,
                     state: SamplerState, plan: _Plan, temperature, token_bytes,
-                    fresh: bool) -> _Decode:
+                    fresh: bool, new_slots: int = 0) -> _Decode:
     """The turn on the first W cache slots: the chunk is appended there, attending over those
     slots only, then each layer's window is cut out for the decode loop and written back into
-    the stacked buffers once at the end. Returns the final `_Decode` (whole cache)."""
+    the stacked buffers once at the end. Returns the final `_Decode` (whole cache), or with
+    `new_slots` (per-layer buffers) its cache's k, v as the `new_slots` slots from each row's
+    old end on, [B,K,new_slots,E] a layer, for the caller to write."""
     full = state.cache
-    S, L = full.max_len, full.k.shape[0]
+    split = model_lib.is_split(full.k)  # per-layer buffers for good (`init_state(split=True)`)
+    S, L = full.max_len, len(full.k) if split else full.k.shape[0]
     B, N = plan.chunk.shape[0], s.max_new_tokens
     rows = jnp.arange(B)
+
+    def cut(x):
+        return tuple(b[:, :, :W] for b in x) if split else x[:, :, :, :W]
+
     win = full if W == S else full.replace(
-        k=full.k[:, :, :, :W], v=full.v[:, :, :, :W], valid=full.valid[:, :W],
+        k=cut(full.k), v=cut(full.v), valid=full.valid[:, :W],
         turn=None if full.turn is None else full.turn[:, :W])
     hidden, appended = append(pre_params, pre_cfg, state.replace(cache=win), plan.chunk,
                               plan.write, fresh,
@@ -375,18 +401,30 @@ def _turn_in_window(s: Sampler, W: int, pre_cfg, pre_params, split_params,
                    out_logp=jnp.zeros((B, N), jnp.float32), tokens_buf=appended.tokens,
                    lp_buf=state.logprobs, gen_buf=state.generated,
                    tail=jnp.zeros((B, tail_width), jnp.uint8),
-                   cache=w.replace(k=tuple(w.k[i] for i in range(L)),
-                                   v=tuple(w.v[i] for i in range(L))))
+                   cache=model_lib.split_cache(w))
     c = jax.lax.while_loop(
         lambda c: (c.step < N) & jnp.any(c.live),
         functools.partial(_decode_step, s, split_params, temperature, token_bytes, S, plan.turn),
         init)
     # written back in place: a window is a copy, the whole cache's append wrote in place
     base = appended.cache if W == S else full
-    k, v = base.k, base.v
-    for i in range(L):
-        k = jax.lax.dynamic_update_slice(k, c.cache.k[i][None], (i, 0, 0, 0, 0))
-        v = jax.lax.dynamic_update_slice(v, c.cache.v[i][None], (i, 0, 0, 0, 0))
+    if new_slots:  # the slots this turn wrote, from each row's old end on
+        at = jnp.minimum(full.end[:, None] + jnp.arange(new_slots)[None, :], W - 1)
+        k, v = ([jnp.take_along_axis(b, at[:, None, :, None], axis=2) for b in x]
+                for x in (c.cache.k, c.cache.v))
+        k, v = tuple(k), tuple(v)
+    elif split and W == S:  # the loop decoded on the buffers themselves (nothing to write)
+        k, v = c.cache.k, c.cache.v
+    elif split:  # each layer's window written into its buffer
+        k = tuple(jax.lax.dynamic_update_slice(b, n, (0, 0, 0, 0))
+                  for b, n in zip(full.k, c.cache.k))
+        v = tuple(jax.lax.dynamic_update_slice(b, n, (0, 0, 0, 0))
+                  for b, n in zip(full.v, c.cache.v))
+    else:
+        k, v = base.k, base.v
+        for i in range(L):
+            k = jax.lax.dynamic_update_slice(k, c.cache.k[i][None], (i, 0, 0, 0, 0))
+            v = jax.lax.dynamic_update_slice(v, c.cache.v[i][None], (i, 0, 0, 0, 0))
     turns = None if base.turn is None else jax.lax.dynamic_update_slice(
         base.turn, c.cache.turn, (0, 0))
     return c.replace(cache=c.cache.replace(k=k, v=v, valid=jax.lax.dynamic_update_slice(

@@ -224,4 +224,6 @@ def test_baselines_table_evaluates_the_untrained_model_and_prints_exact_figures(
         assert cells["solver (exact)", tag] == round(100 * want["solver"], 2)
         assert cells["best constant move (exact)", tag] == round(100 * want["best constant move"],
                                                                    2)
+    assert cells["slippery lake's solver (exact)", "FrozenLakeNonSlippery"] == round(
+        100 * want["slippery lake's solver"], 2)  # (want: the non-slippery lake's figures)
     assert cells["untrained", "FrozenLake"] is None  # not evaluated yet: pending

@@ -136,9 +136,10 @@ def test_inactive_rows_stay_untouched_and_full_context_stops(tiny):
 
 
 def test_decode_windows_change_nothing_but_the_work(tiny):
-    """Three turns with decode windows (128 of 256 slots) against the whole cache:
-    the same tokens, log-probs and final state, including a long inactive row whose history
-    lies beyond the window its neighbours decode in."""
+    """Three turns with decode windows (128 of 256 slots) against the whole cache, each on a
+    stacked cache and on per-layer buffers kept for good (`init_state(split=True)`, as the
+    rollout plays): the same tokens, log-probs and final state, including a long inactive row
+    whose history lies beyond the window its neighbours decode in."""
     cfg, params = tiny
     assert S.window_sizes(256, 4) == (64, 128, 192, 256)
     assert S.window_sizes(100, 3) == (64, 100) and S.window_sizes(24, 4) == (24,)
@@ -146,9 +147,10 @@ def test_decode_windows_change_nothing_but_the_work(tiny):
     prompts = padded([rng.integers(6, cfg.vocab_size, n) for n in (30, 12, 20)], 30)
     short = padded([[6], [7, 8], [9]], 2)
     results, long_chunk = [], None
-    for windows in (1, 2):
+    # (split buffers over the whole cache: every rollout test plays them)
+    for windows, split in ((1, False), (2, False), (2, True)):
         smp = S.make_sampler(cfg, FakeTok, max_new_tokens=8, decode_windows=windows)
-        state, t1 = smp.generate(params, *prompts, jax.random.key(0), 1.0, 256)
+        state, t1 = smp.generate(params, *prompts, jax.random.key(0), 1.0, 256, split=split)
         if long_chunk is None:  # row 0 ends its chunk 3 slots short of the 128 window:
             # its history fits there, its reply does not
             n = 125 - int(state.cache.end[0])
@@ -157,14 +159,17 @@ def test_decode_windows_change_nothing_but_the_work(tiny):
                              jnp.ones((3,), bool))
         state, t3 = smp.turn(params, state, *short, jax.random.key(2), 1.0,
                              jnp.asarray([False, True, True]))
+        assert M.is_split(state.cache.k) == split
+        state = state.replace(cache=M.stack_cache(state.cache))
         results.append(jax.tree_util.tree_map(np.asarray, (state, t1, t2, t3)))
     assert int(results[0][2].length[0]) > 3  # row 0's turn 2 reply runs past slot 128
     assert int(results[0][0].cache.end[1:].max()) + 8 <= 128  # turn 3 decodes in 128 slots
-    for whole, windowed in zip(*(jax.tree_util.tree_leaves(r) for r in results)):
-        if whole.dtype.kind == "f":
-            np.testing.assert_allclose(windowed, whole, rtol=1e-5, atol=1e-6)
-        else:
-            np.testing.assert_array_equal(windowed, whole)
+    for other in results[1:]:
+        for whole, windowed in zip(*(jax.tree_util.tree_leaves(r) for r in (results[0], other))):
+            if whole.dtype.kind == "f":
+                np.testing.assert_allclose(windowed, whole, rtol=1e-5, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(windowed, whole)
 
 
 def test_second_call_does_not_retrace(tiny):
