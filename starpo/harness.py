@@ -51,7 +51,7 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "val.batch_size", "trainer.memory_check", "trainer.collapse_mi_freq",
                      "trainer.collapse_mi_samples", "trainer.collapse_mi_micro_batch",
                      "trainer.collapse_mi_warn", "mesh.heartbeat_timeout_s", "sft.test_freq",
-                     "trainer.collapse_mi_multi_turn",
+                     "trainer.collapse_mi_multi_turn", "trainer.offload_state",
                      "sft.save_freq")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
@@ -67,7 +67,7 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "mesh.heartbeat_timeout_s": 60, "algorithm.filter_groups_metric": "score",
               "algorithm.filter_loss_scaling": "none",
               "trainer.rollout_filter_empty_stop_steps": 0,
-              "trainer.collapse_mi_multi_turn": False,
+              "trainer.collapse_mi_multi_turn": False, "trainer.offload_state": False,
               # GiGPO's episode statistics ran over episodes before; a resumed GiGPO run
               # takes verl-agent's (over steps) from here on
               "algorithm.gigpo_episode_over_steps": True,

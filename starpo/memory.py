@@ -81,6 +81,10 @@ def state_parts(algo, cfg: ModelConfig, model_shards: int, base_dtype: str = "fl
     return tuple(parts)
 
 
+# what `trainer.offload_state` keeps in host memory while the actor samples (update.offload)
+OFFLOADED = ("actor AdamW moments", "critic weights + moments")
+
+
 def prefill_parts(cfg: ModelConfig, rows: float, slots: int, prompt_tokens: int, *,
                   dtype: str, split: bool = False) -> tuple:
     """(what, bytes) of appending a chunk of `prompt_tokens` tokens to a cache of `slots` slots
@@ -182,7 +186,8 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     `contexts`: the cache slots of the training and the validation rollouts (what an episode
     can reach, `Rollout.context`; None: rollout.max_context for both, an upper bound);
     `attention`: the update's attention kernels (`model.kernels`; "cudnn" keeps no scores);
-    `workspace`: the backend's matmul workspace in every program (`matmul_workspace`)."""
+    `workspace`: the backend's matmul workspace in every program (`matmul_workspace`). Under
+    `trainer.offload_state` the sampling phases leave out the state's `OFFLOADED` parts."""
     data, fsdp, tensor = mesh_shape
     batch_shards, model_shards = data * fsdp, fsdp * tensor
     r, v, algo, settings = run.batch, run.val.batch, run.algo, run.model.lora
@@ -192,6 +197,8 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     state = state_parts(algo, cfg, model_shards, update_dtype)
     if workspace:
         state += (("matmul workspace", workspace),)
+    offload = run.trainer.offload_state
+    sampling = tuple(p for p in state if not (offload and p[0] in OFFLOADED))
     episodes = dict(decode_dtype=decode_dtype, windows=run.rollout.decode_windows,
                     prompt_tokens=prompt_tokens, model_shards=model_shards)
     S, S_val = contexts or (run.rollout.max_context, run.rollout.max_context)
@@ -200,11 +207,14 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
                                    algo.rollout_filter_strategy) * r.group_size
     micro = min(algo.micro_batch_size, kept)
     return [
-        Phase("rollout", state + episode_parts(cfg, train_rows / batch_shards, S, **episodes),
-              ("rollout.batch_size", "rollout.max_context", "mesh.fsdp")),
+        Phase("rollout",
+              sampling + episode_parts(cfg, train_rows / batch_shards, S, **episodes),
+              ("rollout.batch_size", "rollout.max_context", "mesh.fsdp")
+              + (() if offload else ("trainer.offload_state",))),
         Phase("validation",
-              state + episode_parts(cfg, val_rows / batch_shards, S_val, **episodes),
-              ("val.batch_size", "val.env_groups", "rollout.max_context", "mesh.fsdp")),
+              sampling + episode_parts(cfg, val_rows / batch_shards, S_val, **episodes),
+              ("val.batch_size", "val.env_groups", "rollout.max_context", "mesh.fsdp")
+              + (() if offload else ("trainer.offload_state",))),
         Phase("update", state + update_parts(
             run.model, algo, cfg, kept / batch_shards, max(micro / batch_shards, 1), S,
             update_dtype=update_dtype, model_shards=model_shards, attention=attention),

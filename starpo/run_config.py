@@ -465,6 +465,7 @@ class TrainerSpec:
     context_bucket: int
     fast_compile: bool
     memory_check: bool
+    offload_state: bool  # optimizer moments and critic on the host while the actor samples
     stop_on_collapse: bool
     empty_stop_steps: int  # trainer.rollout_filter_empty_stop_steps (0 = never)
     collapse_window: int
@@ -525,7 +526,8 @@ def _batch(part) -> BatchSpec:
 def _trainer(t) -> TrainerSpec:
     return TrainerSpec(
         t.total_steps, t.save_freq, t.keep_checkpoints, t.log_samples, t.context_bucket,
-        t.fast_compile, t.get("memory_check", True), t.stop_on_collapse,
+        t.fast_compile, t.get("memory_check", True), t.get("offload_state", False),
+        t.stop_on_collapse,
         t.get("rollout_filter_empty_stop_steps", 0), t.collapse_window,
         t.get("collapse_mi_freq", 0), t.collapse_mi_samples, t.collapse_mi_micro_batch,
         t.collapse_mi_warn, t.get("collapse_mi_multi_turn", False))

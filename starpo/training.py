@@ -104,6 +104,8 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
     k_roll, k_update = step_keys(run.seed, step)
     if seed_counter is None:
         seed_counter = step * run.batch.env_groups
+    offload = _offload(exp)
+    state = offload(state, update_lib.HOST)  # (trainer.offload_state; else the same state)
     (traj, m), seed_counter, dyn = play_batch(exp, state.actor_params, k_roll, seed_counter)
     traj = jax.block_until_ready(traj)
     t1 = time.perf_counter()
@@ -120,7 +122,8 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
     # a KL term's reference is the policy the RL phase started from (the model, `init_from`'s
     # or the SFT phase's weights): exp.policy's, which a resumed run rebuilds as they were
     ref = exp.policy.params if exp.algo.uses_reference else None
-    state, um = exp.update(state, traj.truncate(trained), k_update, ref)
+    state, um = exp.update(offload(state, update_lib.DEVICE), traj.truncate(trained), k_update,
+                           ref)
     um = sharding.to_host(um)
     t2 = time.perf_counter()
     if peaks:
@@ -133,6 +136,15 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
                               (t1 - t0, t2 - t_update, t2 - t0)))
     out.update({"env/seed_counter": float(seed_counter), **dyn})
     return state, out
+
+
+def _offload(exp: experiment_lib.Experiment):
+    """(state, memory kind) -> state: `update.offload` under `trainer.offload_state`, else the
+    state as it is."""
+    if not exp.run.trainer.offload_state:
+        return lambda state, kind: state
+    adapters = exp.run.model.lora is not None
+    return lambda state, kind: update_lib.offload(state, kind, adapters)
 
 
 def _batch_scalars(exp: experiment_lib.Experiment, traj, metrics, lengths, trained: int,
@@ -191,6 +203,10 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     config_check.check(config)
     resuming = harness.check_workdir(workdir, config)
     run = run_config.read(config)  # the one reading: what follows takes its typed parts
+    if run.trainer.offload_state and not update_lib.can_offload(jax.devices()[0]):
+        raise run_config.ConfigError(
+            f"trainer.offload_state: the {jax.devices()[0].platform} device here has no "
+            f"{update_lib.HOST} memory to hold the optimizer state; set it to False")
     t_build = time.perf_counter()
     exp = experiment or experiment_lib.build(run)
     # a run that cannot fit stops here, before any step
@@ -312,7 +328,10 @@ class _Loop:
         return template
 
     def _validate(self, n: int, say) -> dict:
+        offload = _offload(self.exp)  # (trainer.offload_state) the state off the device meanwhile
+        self.state = offload(self.state, update_lib.HOST)
         scalars = experiment_lib.validate(self.exp, self.state.actor_params, self.writer, n)
+        self.state = offload(self.state, update_lib.DEVICE)
         if "validation" in self.unmeasured:
             self.unmeasured.discard("validation")
             peak = memory.device_peak()

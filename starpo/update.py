@@ -58,6 +58,29 @@ class TrainState:
     critic_opt_state: Any
 
 
+HOST, DEVICE = "pinned_host", "device"
+
+
+def offload(state: TrainState, memory_kind: str, adapters: bool = False) -> TrainState:
+    """`state` with what the actor's sampling does not read in `memory_kind` (`HOST`: the
+    host's pinned memory, off the accelerator; `DEVICE`: back for the update): both AdamW
+    moments and the critic's weights (`trainer.offload_state`). adapters: LoRA's, whose critic
+    shares the frozen base with the actor, so only the moments move. The actor's weights stay.
+    Copies, not new numbers: an update after a round trip is the update without one."""
+    def move(tree):
+        return jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind(memory_kind)), tree)
+
+    fields = ("actor_opt_state", "critic_opt_state") + (() if adapters else ("critic_params",))
+    return state.replace(**{f: move(getattr(state, f)) for f in fields
+                            if getattr(state, f) is not None})
+
+
+def can_offload(device) -> bool:
+    """Whether `device` has the host memory `offload` moves to."""
+    return HOST in {m.kind for m in device.addressable_memories()}
+
+
 def lr_schedule(lr: float, warmup_steps: int, decay_steps: int = 0, min_ratio: float = 0.0):
     """Linear warm-up to `lr` over `warmup_steps` optimizer updates (the first one uses
     lr / warmup_steps, not 0), then constant, or with `decay_steps` > 0 a cosine decay to

@@ -180,6 +180,7 @@ BAD = {
     "trainer.collapse_mi_warn": ["x", "nan", "inf"],
     "trainer.fast_compile": ["maybe"],
     "trainer.memory_check": ["maybe"],
+    "trainer.offload_state": ["maybe"],
     "trainer.context_bucket": ["x", "-1"],
     "algorithm.adv_estimator": ["ppo"],
     "algorithm.gamma": ["x", "-0.1", "1.5"],

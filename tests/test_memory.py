@@ -176,6 +176,17 @@ def test_phases_scale_as_the_knobs_say():
     assert quarter["validation"]["KV cache (held ~1.0x in the loop)"] == cache / 4
     with pytest.raises(memory.MemoryPlanError, match="validation.*val.env_groups"):
         memory.check(_plan(config, cfg, prompt_tokens=100), 24e9)
+    # trainer.offload_state: the sampling phases hold the actor's weights alone of the state
+    # (with a critic: gae), the update all of it
+    gae = with_changes(config, algorithm__adv_estimator="gae")
+    kept, off = ({p.name: p for p in _plan(with_changes(gae, trainer__offload_state=o), cfg,
+                                              prompt_tokens=100)} for o in (False, True))
+    p = cfg.num_params * 4
+    for phase in ("rollout", "validation"):
+        assert kept[phase].total - off[phase].total == pytest.approx(2 * p + 3 * p)
+        assert "trainer.offload_state" in kept[phase].knobs
+        assert "trainer.offload_state" not in off[phase].knobs
+    assert off["update"].total == kept["update"].total
 
 
 def test_the_plan_command_prints_the_table_for_known_shapes():

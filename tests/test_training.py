@@ -74,6 +74,42 @@ def comparable(rows):
             for r in rows]
 
 
+def test_an_offloaded_state_trains_the_same_and_is_off_the_device_while_sampling(tmp_path,
+                                                                               monkeypatch):
+    """trainer.offload_state: both AdamW moments and the critic sit in the host's pinned memory
+    during every rollout and validation and are back on the device for every update, the
+    actor's weights never move; the run's metrics and final weights equal the run without."""
+    from starpo import update as update_lib
+
+    config = with_changes(bandit.get_config("tiny"), algorithm__adv_estimator="gae",
+                          trainer__total_steps=2, val__test_freq=1, trainer__fast_compile=True)
+    real, moves = update_lib.offload, []
+
+    def spy(state, kind, adapters=False):
+        out = real(state, kind, adapters)
+        moved = (out.actor_opt_state, out.critic_params, out.critic_opt_state)
+        moves.append((kind, {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(moved)},
+                      {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(
+                          out.actor_params)}))
+        return out
+
+    monkeypatch.setattr(update_lib, "offload", spy)
+    runs = {}
+    for offload in (False, True):
+        runs[offload] = str(tmp_path / str(offload))
+        training.train(with_changes(config, trainer__offload_state=offload), runs[offload],
+                       progress=False, log=lambda *a: None)
+    # validations before steps 1 and after steps 1, 2; the two steps' rollouts: out and back
+    assert [kind for kind, _, _ in moves] == [update_lib.HOST, update_lib.DEVICE] * 5
+    assert all(moved == {kind} and actor == {update_lib.DEVICE} for kind, moved, actor in moves)
+    a, b = (comparable(metrics.read_jsonl(os.path.join(runs[o], "metrics.jsonl")))
+            for o in (False, True))
+    assert a == b
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           *(checkpoint.load_params(os.path.join(runs[o], "checkpoints"), 2)
+                             for o in (False, True)))
+
+
 def test_resumed_run_equals_uninterrupted_run(bandit_run, tmp_path):
     config, exp = bandit_run
     config = with_changes(config, trainer__total_steps=4, trainer__save_freq=3,
