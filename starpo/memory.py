@@ -106,14 +106,26 @@ def prefill_parts(cfg: ModelConfig, rows: float, slots: int, prompt_tokens: int,
     )
 
 
+def cache_copies(windows: int, version: str | None = None) -> float:
+    """How many times over the rollout holds its KV cache (XLA:CPU's compiled buffers of a
+    rollout whose cache is most of its memory, `tests/test_memory.py`). The rollout keeps
+    per-layer buffers for good and decodes on them in place: once, twice with decode windows
+    (the window switch's whole-cache branch works on a copy), with jax 0.10.2; jax 0.7.1's XLA
+    copies them around the loops, 2.0 and 3.3 times. `version`: jax's (default: installed)."""
+    import jax
+
+    major, minor = (int(x) for x in (version or jax.__version__).split(".")[:2])
+    if (major, minor) >= (0, 10):
+        return 2.0 if windows > 1 else 1.0
+    return 3.3 if windows > 1 else 2.0
+
+
 def episode_parts(cfg: ModelConfig, rows: float, slots: int, *, decode_dtype: str,
                   windows: int, prompt_tokens: int, model_shards: int) -> tuple:
     """(what, bytes) of playing `rows` episodes (per device) with a cache of `slots` slots."""
     L, K, E = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     kv = 2 * L * rows * K * slots * E * _bytes(decode_dtype)
-    # the rollout keeps per-layer buffers for good and decodes on them in place; with decode
-    # windows the whole-cache branch of the window switch works on a copy (XLA:CPU's buffers)
-    copies = 1.0 + (1.0 if windows > 1 else 0.0)
+    copies = cache_copies(windows)
     return (
         ("KV cache (held ~%.1fx in the loop)" % copies, copies * kv),
         ("weights cast for decoding", cfg.num_params * _bytes(decode_dtype) / model_shards),
