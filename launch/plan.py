@@ -91,8 +91,9 @@ def main(argv):
                                  prompt_tokens=P, decode_dtype=dtype, update_dtype=dtype,
                                  contexts=(context, context),
                                  attention=kernels(FLAGS.backend, cfg, dtype),
-                                 # an H100 / H200's cuBLAS workspace (memory.matmul_workspace)
-                                 workspace=32 * 2 ** 20 if FLAGS.backend == "gpu" else 0.0)
+                                 # an H100 / H200's (memory.matmul_workspace)
+                                 workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu"
+                                 else 0.0)
             gb = memory.total_gb(phases)
             peak = max(gb.values())
             fits = " / ".join("yes" if peak <= cap else "no" for cap in (24, 80))

@@ -173,6 +173,9 @@ def update_parts(model: run_config.ModelSpec, algo, cfg: ModelConfig, rows: floa
     )
 
 
+HOPPER_WORKSPACE = 32 * 2 ** 20  # cuBLAS's recommended workspace from compute capability 9 on
+
+
 def matmul_workspace(device=None) -> float:
     """Bytes XLA:GPU reserves among a program's temporaries for cuBLAS's workspace: 32 MiB on
     Hopper and later (compute capability 9+), 4 MiB before (cuBLAS's recommended sizes, which
@@ -186,7 +189,7 @@ def matmul_workspace(device=None) -> float:
     if device.platform != "gpu" or "nvidia" not in str(device.device_kind).lower():
         return 0.0
     major = str(getattr(device, "compute_capability", "9.0")).split(".")[0]
-    return float((32 if not major.isdigit() or int(major) >= 9 else 4) * 2 ** 20)
+    return float(HOPPER_WORKSPACE if not major.isdigit() or int(major) >= 9 else 4 * 2 ** 20)
 
 
 def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),

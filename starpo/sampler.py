@@ -413,13 +413,8 @@ def _turn_in_window(s: Sampler, W: int, pre_cfg, pre_params, split_params,
         k, v = ([jnp.take_along_axis(b, at[:, None, :, None], axis=2) for b in x]
                 for x in (c.cache.k, c.cache.v))
         k, v = tuple(k), tuple(v)
-    elif split and W == S:  # the loop decoded on the buffers themselves (nothing to write)
+    elif split:  # one window, the whole cache: the loop decoded on the buffers themselves
         k, v = c.cache.k, c.cache.v
-    elif split:  # each layer's window written into its buffer
-        k = tuple(jax.lax.dynamic_update_slice(b, n, (0, 0, 0, 0))
-                  for b, n in zip(full.k, c.cache.k))
-        v = tuple(jax.lax.dynamic_update_slice(b, n, (0, 0, 0, 0))
-                  for b, n in zip(full.v, c.cache.v))
     else:
         k, v = base.k, base.v
         for i in range(L):
