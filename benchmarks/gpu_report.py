@@ -59,6 +59,9 @@ def steps(a) -> dict:
                                     "--dtype=bfloat16", "--cache_dtype=bfloat16"]),
         "iteration": (a.step_s, py + ["-m", "benchmarks.train_step", f"--config={config}",
                                       *([] if a.quick else [f"--config.model.path={model}"])]),
+        # what one decode step launches and how often the host waits (compiled, not run)
+        "decode": (a.step_s, py + ["-m", "benchmarks.decode_step", f"--model={model}", *sample,
+                                   f"--hlo_out={os.path.join(a.out, 'decode_step.hlo')}"]),
         # not in the default steps: LoRA rank 64 beside full fine-tuning (docs/lora.md)
         "lora": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
                                  "--lora_rank=64", "--torch=no"]),
@@ -134,6 +137,9 @@ def headline(report: dict) -> dict:
         "sampler_tokens_per_s": get("sampler", "tokens_per_s"),
         "sampler_vs_transformers": get("sampler", "speedup_vs_torch"),
         "sampler_fraction_of_bound": get("sampler", "fraction_of_bandwidth_bound"),
+        "decode_launches_per_step": get("decode", "launches_per_step"),
+        "decode_launches_per_layer": get("decode", "launches_per_layer"),
+        "decode_command_buffers_per_step": get("decode", "command_buffers_per_step"),
         "plan_max_gb": max(plan.values()) if plan else None,
         "peak_gb": max(peaks) if peaks else None,
         "rollout_fraction_of_bound": get("iteration", "rollout_fraction_of_bound"),
@@ -162,7 +168,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu-report", help="folder for report.json and the logs")
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
-    p.add_argument("--steps", default="tests,update,sampler,iteration",
+    p.add_argument("--steps", default="tests,update,sampler,decode,iteration",
                    help="comma-separated subset of: tests, update, sampler, iteration, lora")
     p.add_argument("--tests", default=",".join(TEST_FILES), help="comma-separated test files")
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers")

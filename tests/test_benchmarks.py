@@ -79,3 +79,70 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
     v = g.verdicts(head)
     assert v["iteration_s"].startswith("met") and v["plan_max_gb"].startswith("missed")
     assert v["tests_failed"].startswith("missed") and v["update_mfu"] == "unmeasured"
+
+
+# A hand-written optimised module: the entry runs a while loop whose body holds a layer's
+# fusion, a sampling fusion, a fusion without a source name, a copy, a host callback and
+# instructions that launch nothing; a comment inside a header's tuple type, as XLA prints them.
+HLO = """HloModule jit_run_turn, is_scheduled=true
+
+%fused_layer (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p0), metadata={op_name="jit(run_turn)/while/body/closed_call/Block/mlp/neg"}
+}
+
+%body (arg: (s32[], f32[4], /*index=2*/f32[4])) -> (s32[], f32[4], /*index=2*/f32[4]) {
+  %arg = (s32[], f32[4]{0}, f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[4]{0} get-tuple-element(%arg), index=1
+  %one = s32[] constant(1)
+  %layer = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_layer, metadata={op_name="jit(run_turn)/while/body/closed_call/Block/mlp/neg"}
+  %draw = f32[4]{0} fusion(%layer), kind=kLoop, calls=%fused_layer, metadata={op_name="jit(run_turn)/while/body/jit(_uniform)/add"}
+  %plain = f32[4]{0} fusion(%draw), kind=kLoop, calls=%fused_layer
+  %c = f32[4]{0} copy(%plain)
+  %cb = f32[4]{0} custom-call(%c), custom_call_target="xla_python_cpu_callback"
+  %next = s32[] add(%i, %one), metadata={op_name="jit(run_turn)/while/body/add"}
+  ROOT %t = (s32[], f32[4]{0}, f32[4]{0}) tuple(%next, %cb, %c)
+}
+
+%cond (arg.1: (s32[], f32[4], /*index=2*/f32[4])) -> pred[] {
+  %arg.1 = (s32[], f32[4]{0}, f32[4]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%arg.1), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (x.0: f32[4]) -> f32[4] {
+  %x.0 = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}, f32[4]{0}) tuple(%zero, %x.0, %x.0)
+  %w = (s32[], f32[4]{0}, /*index=2*/f32[4]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_decode_step_counts_what_a_loop_body_launches():
+    """benchmarks/decode_step.py's reading of a while body, against a hand count of HLO above:
+    5 launches (3 fusions, the copy, the callback: not the parameter, the tuple elements, the
+    constant or the tuple) plus the counter's add, 2 host round trips (the condition, the
+    callback), the launches by source op; then on a real compiled sampler turn (one layer)."""
+    from benchmarks import decode_step
+
+    (loop,) = decode_step.loops(HLO)
+    assert (loop["body"], loop["condition"]) == ("body", "cond")
+    assert loop["launches"] == 6 and loop["instructions"] == 11
+    assert loop["host_round_trips"] == 2
+    assert loop["by_source"] == {"layers": 1, "jit(_uniform)": 1, "(unnamed)": 3, "add": 1}
+    assert loop["custom_calls"] == {"xla_python_cpu_callback": 1}
+
+    spec = "random:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64,vocab=400"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.decode_step", f"--model={spec}",
+                        "--batch=2", "--prompt_len=8", "--new_tokens=4"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["layers"] == 1 and out["host_round_trips_per_step"] == 1
+    # the layer's own work is there, and so is the sampling around it
+    assert out["launches_per_layer"] > 0 and out["launches_outside_layers"] > 0
+    assert out["launches_per_step"] == out["launches_per_layer"] + out["launches_outside_layers"]

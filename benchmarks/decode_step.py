@@ -1,0 +1,163 @@
+"""What one decode step is made of, from the compiled program: the work a device launches per
+sampled token, and how often the host has to wait for the device.
+
+  python -m benchmarks.decode_step --model=random:layers=24,hidden=896,...  # any model spec
+
+Compiles one sampler turn (`sampler.run_turn`, a fresh prompt of `prompt_len` tokens then up to
+`new_tokens` decode steps) for the default backend, without running it, and reads XLA's
+optimised HLO: every `while` loop's body, its top-level instructions counted by opcode. The
+decode loop is the body that runs the model (the most instructions). Per decode step:
+- `launches`: top-level instructions that do work (fusions, library calls such as matmuls,
+  copies, in-place updates, sorts, ...; not tuples, parameters, constants or bitcasts). On a
+  GPU each is one kernel launch or library call (XLA may group runs of them into CUDA graphs:
+  `command_buffers` counts those groups); on a CPU, one compiled kernel or runtime call.
+- `host_round_trips`: 1 per iteration of a `while` whose condition the device computes: on a
+  GPU the host reads the predicate back before it launches the next step, so the launch queue
+  drains once per step; plus any host transfer or callback inside the body.
+Launch-bound time per step is about launches x the device's per-launch cost (~2-5 us on an
+H100 without CUDA graphs), against the bandwidth bound of reading the weights and the cache
+(`benchmarks.sampler`'s `decode_bound`). Prints one JSON object.
+
+Run from the repository root: `python -m` puts it on the import path.
+"""
+
+import argparse
+import collections
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.sampler import device_kind, prompts
+from starpo import precision, sampler, weights
+
+# instructions that launch nothing: they name, pack or reinterpret buffers
+FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
+        "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain"}
+HOST = {"send", "recv", "send-done", "recv-done", "outfeed", "infeed"}
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+
+
+def computations(hlo: str) -> dict[str, list[tuple[str, str]]]:
+    """{computation name: [(opcode, rest of the line)]} from an HLO module's text."""
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        line = _COMMENT.sub("", line)
+        if current is None:
+            m = _HEADER.match(line)
+            if m and "=" not in line.split("{")[0]:
+                current = m.group(1)
+                comps[current] = []
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            comps[current].append((m.group(3), m.group(4)))
+    return comps
+
+
+def loops(hlo: str) -> list[dict]:
+    """Every while loop's body: its top-level instructions by opcode, largest body first."""
+    comps = computations(hlo)
+    out = []
+    for name, instrs in comps.items():
+        for op, rest in instrs:
+            if op != "while":
+                continue
+            body = re.search(r"body=%?([\w.\-]+)", rest)
+            cond = re.search(r"condition=%?([\w.\-]+)", rest)
+            if not body or body.group(1) not in comps:
+                continue
+            ops = collections.Counter(o for o, _ in comps[body.group(1)])
+            custom = collections.Counter(
+                t.group(1) for o, r in comps[body.group(1)] if o == "custom-call"
+                for t in [re.search(r'custom_call_target="([^"]+)"', r)] if t)
+            launches = sum(n for o, n in ops.items() if o not in FREE)
+            # where each launch comes from, by its source op's name: the transformer layers
+            # (`Block`), else the first named step inside the loop (sampling, stop checks, ...)
+            where = collections.Counter()
+            for o, r in comps[body.group(1)]:
+                if o in FREE:
+                    continue
+                name = re.search(r'op_name="([^"]*)"', r)
+                name = name.group(1) if name else ""
+                if "/Block" in name:
+                    where["layers"] += 1
+                else:
+                    tail = name.split("while/body/")[-1] if "while/body/" in name else name
+                    where[tail.split("/")[0] or "(unnamed)"] += 1
+            host = sum(n for o, n in ops.items() if o in HOST) + sum(
+                n for t, n in custom.items() if "callback" in t.lower() or "host" in t.lower())
+            out.append(dict(body=body.group(1), condition=cond.group(1) if cond else None,
+                            instructions=sum(ops.values()), launches=launches,
+                            host_round_trips=1 + host,
+                            command_buffers=ops.get("call", 0) if "command_buffer" in hlo
+                            else 0,
+                            by_opcode=dict(ops.most_common()),
+                            by_source=dict(where.most_common()),
+                            custom_calls=dict(custom.most_common())))
+    return sorted(out, key=lambda d: -d["instructions"])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--prompt_len", type=int, default=256)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16", help="decode matmul input dtype")
+    p.add_argument("--cache_dtype", default="bfloat16")
+    p.add_argument("--hlo_out", default="", help="also write the optimised HLO text here")
+    a = p.parse_args()
+
+    try:
+        m = weights.load_model(a.model)
+    except weights.LoadError as e:
+        sys.exit(f"error: {e}")
+    rows = prompts(m.tokenizer, a.batch, a.prompt_len)
+    B, P = rows.shape
+    cfg = m.cfg.replace(dtype=a.dtype)
+    smp = sampler.Sampler(cfg, a.new_tokens, eos_ids=(), pad_id=m.tokenizer.pad_id,
+                          prefill_dtype=precision.compute_bound_dtype())
+    state = sampler.init_state(cfg, B, P + a.new_tokens, jnp.dtype(a.cache_dtype))
+    t = time.perf_counter()
+    compiled = sampler.run_turn.lower(
+        smp, m.params, state, jnp.asarray(rows), jnp.ones(rows.shape, bool), jax.random.key(0),
+        jnp.float32(1.0), jnp.ones((B,), bool), None, fresh=True).compile()
+    compile_s = time.perf_counter() - t
+    hlo = compiled.as_text()
+    if a.hlo_out:
+        with open(a.hlo_out, "w") as f:
+            f.write(hlo)
+    found = loops(hlo)
+    if not found:
+        sys.exit("error: no while loop in the compiled turn (is the decode loop unrolled?)")
+    step = found[0]
+    result = dict(model=a.model, backend=jax.default_backend(), device=device_kind(),
+                  jax=jax.__version__, batch=B, prompt_len=P, new_tokens=a.new_tokens,
+                  dtype=a.dtype, cache_dtype=a.cache_dtype, layers=cfg.num_layers,
+                  compile_s=round(compile_s, 1),
+                  launches_per_step=step["launches"],
+                  launches_per_layer=round(step["by_source"].get("layers", 0) / cfg.num_layers,
+                                           1),
+                  launches_outside_layers=step["launches"] - step["by_source"].get("layers", 0),
+                  host_round_trips_per_step=step["host_round_trips"],
+                  command_buffers_per_step=step["command_buffers"],
+                  decode_body=step, other_loops=[
+                      {k: d[k] for k in ("body", "instructions", "launches")} for d in found[1:]])
+    print(f"decode step: {step['launches']} launches ({result['launches_per_layer']} a layer, "
+          f"{result['launches_outside_layers']} outside them), {step['host_round_trips']} host "
+          f"round trip(s); by source: {dict(list(step['by_source'].items())[:8])}",
+          file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
