@@ -17,7 +17,9 @@ at the last step) or evaluation (its JSON in <run>/eval/) is skipped, so the sam
 an interrupted reproduction, and runs shared between tables (StarPO-S on Sokoban serves three)
 are trained once. --dry_run prints the commands (those already done commented out) and runs
 nothing; --print_only prints the table from the evaluations there are. The table gives our
-success (%) beside the paper's, then one JSON line.
+success (%) beside the paper's, then one JSON line. --seeds=0,1,2 runs every row once per config
+seed (the mean over seeds, with its standard error, in each cell); one command per seed can run
+side by side on one GPU, then --print_only --seeds=0,1,2 prints the table of all of them.
 
 The rows, as config overrides of configs/<env>.py[:--variant] (the paper-sized config is
 StarPO-S: PPO with a critic, the std filter keeping a quarter of the groups, decoupled clipping):
@@ -63,6 +65,11 @@ flags.DEFINE_integer("eval_groups", 0, "Held-out levels per env variant (0 = the
                      "val.env_groups: 256 at the paper's size).", lower_bound=0)
 flags.DEFINE_list("rows", [], "Only these rows (labels as printed; default all).")
 flags.DEFINE_list("columns", [], "Only these columns (labels as printed; default all).")
+flags.DEFINE_list("seeds", ["0"], "Config seeds: every run once per seed (seed 0's folder has "
+                  "no suffix, seed k's ends in _seedk); a cell is the mean over the seeds with "
+                  "an evaluation, with its standard error across them. Separate commands with "
+                  "different --seeds can run side by side (one GPU holds several small runs); "
+                  "--print_only with all the seeds prints the table.")
 flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every training run, e.g. "
                           "--set=model.dtype=bfloat16 (repeatable).")
 FLAGS = flags.FLAGS
@@ -95,12 +102,14 @@ class Run:
     think: bool = True  # False: rollout.enable_think=False
     actions: int = 0  # rollout.max_actions_per_turn (0 = the env's budget)
     responses: int = 0  # rollout.group_size with the same episodes per batch (0 = the config's)
+    seed: int = 0  # the config's seed (sampling, mini-batch order, training levels)
 
     @property
     def name(self) -> str:
         return (f"{self.algo.lower()}_{self.env}" + ("" if self.think else "_nothink")
                 + (f"_actions{self.actions}" if self.actions else "")
-                + (f"_responses{self.responses}" if self.responses else ""))
+                + (f"_responses{self.responses}" if self.responses else "")
+                + (f"_seed{self.seed}" if self.seed else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +249,8 @@ def train_command(run: Run, workdir: str, variant: str, model_path: str, steps: 
             raise ValueError(f"{run.responses} responses per prompt do not divide the "
                              f"{episodes} episodes of {config_spec(run.env, variant)}")
         o["rollout.env_groups"], o["rollout.group_size"] = episodes // run.responses, run.responses
+    if run.seed:
+        o["seed"] = run.seed
     o["val.tags"] = VAL_TAGS[run.env]
     o["sft.steps" if run.algo == "SFT" else "trainer.total_steps"] = steps_of(run, variant, steps)
     args = [f"--config={config_spec(run.env, variant)}", f"--workdir={run_dir(workdir, run)}"]
@@ -256,7 +267,8 @@ def eval_command(run: Run, workdir: str, tags, groups: int, variant: str = "",
     source = [f"--checkpoint={run_dir(workdir, run)}"]
     if run.algo == "untrained":
         source = [f"--config={config_spec(run.env, variant)}"] + (
-            [f"--config.model.path={model_path}"] if model_path else [])
+            [f"--config.model.path={model_path}"] if model_path else []) + (
+            [f"--config.seed={run.seed}"] if run.seed else [])
     return [sys.executable, os.path.join(HERE, "eval.py"), *source, f"--tags={','.join(tags)}",
             f"--out={out}"] + ([f"--groups={groups}"] if groups else [])
 
@@ -293,17 +305,18 @@ def results(workdir: str, run: Run) -> dict:
 
 
 def plan(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, rows=(),
-         columns=(), extra=()):
+         columns=(), extra=(), seeds=(0,)):
     """[(command, done)]: each run's training then its evaluation on the tags it lacks, in
-    table order, every run once."""
+    table order, every run once per seed."""
     needs = {}  # run -> tags, in order
     for table in tables:
         for cells in selected(table, rows, columns).values():
             for cell in cells.values():
                 if cell.run is None:  # an exact figure: computed when the table is printed
                     continue
-                tags = needs.setdefault(cell.run, [])
-                tags += [] if cell.tag in tags else [cell.tag]
+                for seed in seeds:
+                    tags = needs.setdefault(dataclasses.replace(cell.run, seed=seed), [])
+                    tags += [] if cell.tag in tags else [cell.tag]
     out = []
     for run, tags in needs.items():
         if run.algo != "untrained":
@@ -323,9 +336,22 @@ def shown(command) -> str:
                        *command[2:]])
 
 
-def cell_text(ours, cell: Cell) -> str:
+def cell_text(ours, cell: Cell, spread=None) -> str:
+    """`ours / paper`; spread (standard error, seeds) where ours is a mean over seeds."""
     paper = "—" if cell.paper is None else ("~" if cell.approx else "") + f"{cell.paper:g}"
-    return f"{'pending' if ours is None else f'{ours:.2f}'} / {paper}"
+    mine = "pending" if ours is None else f"{ours:.2f}"
+    if ours is not None and spread and spread[1] > 1:
+        mine += f" ±{spread[0]:.2f} ({spread[1]} seeds)"
+    return f"{mine} / {paper}"
+
+
+def over_seeds(values: list[float]) -> tuple[float | None, tuple[float, int] | None]:
+    """(mean, (standard error of the mean, n)) of per-seed values; (None, None) if none."""
+    if not values:
+        return None, None
+    n, mean = len(values), sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, ((var / n) ** 0.5, n)
 
 
 def exact_figure(cell: Cell, variant: str, groups: int) -> float:
@@ -340,35 +366,42 @@ def exact_figure(cell: Cell, variant: str, groups: int) -> float:
 
 
 def table_data(table: str, workdir: str, rows=(), columns=(), variant: str = "",
-               groups: int = 0):
-    """[(row, column, Cell, ours %, eval info)] of the finished evaluations (ours None where
-    there is none yet) and the exact figures."""
+               groups: int = 0, seeds=(0,)):
+    """[(row, column, Cell, ours %, eval info, {seed: %})] of the finished evaluations (ours:
+    the mean over the seeds evaluated, None where none is yet) and the exact figures."""
     out, cache = [], {}
     for row, cells in selected(table, rows, columns).items():
         for column, cell in cells.items():
             if cell.run is None:
-                out.append((row, column, cell, exact_figure(cell, variant, groups), None))
+                out.append((row, column, cell, exact_figure(cell, variant, groups), None, {}))
                 continue
-            have = cache.setdefault(cell.run, results(workdir, cell.run))
-            r = have.get(cell.tag)
-            out.append((row, column, cell, None if r is None else 100 * r["success"], r))
+            per_seed, info = {}, None
+            for seed in seeds:
+                run = dataclasses.replace(cell.run, seed=seed)
+                r = cache.setdefault(run, results(workdir, run)).get(cell.tag)
+                if r is not None:
+                    per_seed[seed], info = 100 * r["success"], r
+            mean, _ = over_seeds(list(per_seed.values()))
+            out.append((row, column, cell, mean, info, per_seed))
     return out
 
 
 def format_table(table: str, workdir: str, rows=(), columns=(), variant: str = "",
-                 groups: int = 0) -> str:
-    """The table in the paper's layout: `ours / paper` success (%) per cell, notes, a JSON line."""
+                 groups: int = 0, seeds=(0,)) -> str:
+    """The table in the paper's layout: `ours / paper` success (%) per cell (a mean over seeds
+    with its standard error where several), notes, a JSON line."""
     title, all_columns, _ = TABLES[table]
-    data = table_data(table, workdir, rows, columns, variant, groups)
+    data = table_data(table, workdir, rows, columns, variant, groups, seeds)
     cols = [c for c in all_columns if any(d[1] == c for d in data)]
     body = {}
-    for row, column, cell, ours, _ in data:
-        body.setdefault(row, {})[column] = cell_text(ours, cell)
+    for row, column, cell, ours, _, per_seed in data:
+        body.setdefault(row, {})[column] = cell_text(ours, cell,
+                                                     over_seeds(list(per_seed.values()))[1])
     head = ["", *cols]
     lines = [[r, *(body[r].get(c, "") for c in cols)] for r in body]
     widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
     fmt = " | ".join(f"{{:<{w}}}" for w in widths)
-    evals = {(r["groups"], r["temperature"]) for *_, r in data if r}
+    evals = {(r["groups"], r["temperature"]) for *_, r, _ in data if r}
     sets = ", ".join(f"{g} levels at temperature {t:g}" for g, t in sorted(evals))
     text = [f"{title}: success %, ours / paper's" + (f" (ours on {sets})" if evals else ""),
             fmt.format(*head), "-+-".join("-" * w for w in widths),
@@ -380,13 +413,16 @@ def format_table(table: str, workdir: str, rows=(), columns=(), variant: str = "
     if any(cell.approx for _, _, cell, *_ in data):
         text.append("~: the paper's vanilla StarPO peaks there before it collapses (read off its "
                     "figures); ours is the last checkpoint")
-    runs = sorted({cell.run.name for _, _, cell, *_ in data if cell.run})
+    runs = sorted({dataclasses.replace(cell.run, seed=seed).name for _, _, cell, *_ in data
+                   if cell.run for seed in seeds})
     text.append(f"runs in {workdir}: {', '.join(runs)}")
     text.append(json.dumps({"table": table, "cells": [
         {"row": row, "column": column, "tag": cell.tag,
          "run": cell.run.name if cell.run else "exact: " + cell.exact,
-         "ours": None if ours is None else round(ours, 2), "paper": cell.paper}
-        for row, column, cell, ours, _ in data]}))
+         "ours": None if ours is None else round(ours, 2), "paper": cell.paper,
+         **({"seeds": {str(k): round(v, 2) for k, v in per_seed.items()}}
+            if len(seeds) > 1 else {})}
+        for row, column, cell, ours, _, per_seed in data]}))
     return "\n".join(text)
 
 
@@ -403,9 +439,10 @@ def main(argv):
     for kv in FLAGS.set:
         if "=" not in kv:
             raise ValueError(f"--set {kv!r}: expected KEY=VALUE, e.g. model.dtype=bfloat16")
+    seeds = seed_list(FLAGS.seeds)
     if FLAGS.print_only:
         print("\n\n".join(format_table(t, FLAGS.workdir, FLAGS.rows, FLAGS.columns,
-                                        FLAGS.variant, FLAGS.eval_groups)
+                                        FLAGS.variant, FLAGS.eval_groups, seeds)
                           for t in tables))
         return
     if FLAGS.model_path:
@@ -419,7 +456,7 @@ def main(argv):
         return
     reproduce(tables, FLAGS.workdir, **settings())
     print("\n\n".join(format_table(t, FLAGS.workdir, FLAGS.rows, FLAGS.columns, FLAGS.variant,
-                                    FLAGS.eval_groups) for t in tables))
+                                    FLAGS.eval_groups, seeds) for t in tables))
 
 
 def check(commands) -> None:
@@ -438,11 +475,23 @@ def check(commands) -> None:
             raise ValueError(f"run {run}: {e}") from None
 
 
+def seed_list(values) -> tuple[int, ...]:
+    """--seeds as distinct non-negative ints, in order (ValueError otherwise)."""
+    out = []
+    for v in values:
+        if not v.strip().isdigit():
+            raise ValueError(f"--seeds: {v!r} is not a non-negative integer")
+        out += [] if int(v) in out else [int(v)]
+    if not out:
+        raise ValueError("--seeds: give at least one seed")
+    return tuple(out)
+
+
 def settings() -> dict:
     """`plan`'s settings from the flags."""
     return {"variant": FLAGS.variant, "model_path": FLAGS.model_path, "steps": FLAGS.steps,
             "eval_groups": FLAGS.eval_groups, "rows": FLAGS.rows, "columns": FLAGS.columns,
-            "extra": FLAGS.set}
+            "extra": FLAGS.set, "seeds": seed_list(FLAGS.seeds)}
 
 
 def reproduce(tables, workdir, runner=subprocess.run, **kw):

@@ -227,3 +227,38 @@ def test_baselines_table_evaluates_the_untrained_model_and_prints_exact_figures(
     assert cells["slippery lake's solver (exact)", "FrozenLakeNonSlippery"] == round(
         100 * want["slippery lake's solver"], 2)  # (want: the non-slippery lake's figures)
     assert cells["untrained", "FrozenLake"] is None  # not evaluated yet: pending
+
+
+def test_seeds_run_apart_and_the_table_gives_their_mean(tmp_path):
+    """--seeds: every run once per seed, in a folder of its own with the config's seed set
+    (seed 0 keeps the folder without a suffix); a cell is the mean over the seeds evaluated so
+    far, with the standard error across them, and the JSON line keeps each seed's figure."""
+    w = str(tmp_path)
+    commands = [c for c, _ in reproduce.plan(["main"], w, variant="tiny", rows=["StarPO-S"],
+                                             columns=["FrozenLake"], seeds=(0, 3))]
+    train = [c for c in commands if c[1].endswith("train.py")]
+    assert [a for c in train for a in c if a.startswith("--workdir=")] == [
+        f"--workdir={w}/starpo-s_FrozenLake", f"--workdir={w}/starpo-s_FrozenLake_seed3"]
+    assert "--config.seed=3" in train[1] and not any("seed=" in a for a in train[0])
+    untrained = reproduce.eval_command(reproduce.Run("untrained", "Bandit", seed=3), w,
+                                       ["Bandit"], 0, "tiny")
+    assert "--config.seed=3" in untrained
+
+    write_eval(w, "starpo-s_FrozenLake", ["FrozenLake"], [0.25])
+    text = reproduce.format_table("main", w, rows=["StarPO-S"], columns=["FrozenLake"],
+                                  seeds=(0, 3)).splitlines()
+    (cell,) = json.loads(text[-1])["cells"]
+    assert (cell["ours"], cell["seeds"]) == (25.0, {"0": 25.0})  # one seed so far: no spread
+    assert text[3].split("|")[1].strip() == "25.00 / 21.8"
+    write_eval(w, "starpo-s_FrozenLake_seed3", ["FrozenLake"], [0.375])
+    text = reproduce.format_table("main", w, rows=["StarPO-S"], columns=["FrozenLake"],
+                                  seeds=(0, 3)).splitlines()
+    (cell,) = json.loads(text[-1])["cells"]
+    assert (cell["ours"], cell["seeds"]) == (31.25, {"0": 25.0, "3": 37.5})
+    # standard error of the mean of 25 and 37.5: sample sd 8.839 / sqrt(2) = 6.25
+    assert text[3].split("|")[1].strip() == "31.25 ±6.25 (2 seeds) / 21.8"
+    assert "starpo-s_FrozenLake_seed3" in text[-2]
+
+    bad = cli("--table=main", "--seeds=0,-1", "--dry_run", f"--workdir={w}")
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
+        "error: --seeds: '-1' is not a non-negative integer")
