@@ -27,7 +27,9 @@ StarPO-S: PPO with a critic, the std filter keeping a quarter of the groups, dec
 - StarPO: the same without StarPO-S's additions: GRPO (no critic), no filter (ratio 1.0),
   symmetric clipping 0.2/0.2, and a KL loss to the initial policy (0.001, k3), which StarPO-S
   drops.
-- SFT: launch/sft.py on solver demonstrations, as many steps as the RL rows train.
+- SFT: launch/sft.py on solver demonstrations, as many steps as the RL rows train (under a
+  variant whose RL runs warm-start with SFT, cpu and gpu: the warm start's steps, so that SFT is
+  the starting point of SFT then RL).
 Every run of an env validates on the variants its tables read (Sokoban: SimpleSokoban,
 SokobanDifferentGridVocab, LargerSokoban, FrozenLake), which a tiny model's tokenizer needs too.
 The paper's sizes (Qwen2.5-0.5B, 8 x 16 episodes of 5 turns, 200 steps) need an accelerator;
@@ -226,8 +228,14 @@ def base_config(env: str, variant: str):
 
 
 def steps_of(run: Run, variant: str, steps: int) -> int:
-    """Training steps of `run`: --steps, else the config's RL steps (SFT trains as many)."""
-    return steps or base_config(run.env, variant).trainer.total_steps
+    """Training steps of `run`: --steps, else the config's RL steps; SFT trains as many (the
+    paper's protocol), or, where the config's RL runs warm-start with SFT (the cpu and gpu
+    variants: `sft.steps` > 0), exactly that warm start, so that "SFT" is where "SFT then RL"
+    started from."""
+    c = base_config(run.env, variant)
+    if steps:
+        return steps
+    return c.sft.steps if run.algo == "SFT" and c.sft.steps > 0 else c.trainer.total_steps
 
 
 def train_command(run: Run, workdir: str, variant: str, model_path: str, steps: int, extra=()):

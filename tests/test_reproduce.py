@@ -262,3 +262,21 @@ def test_seeds_run_apart_and_the_table_gives_their_mean(tmp_path):
     bad = cli("--table=main", "--seeds=0,-1", "--dry_run", f"--workdir={w}")
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
         "error: --seeds: '-1' is not a non-negative integer")
+
+
+def test_sft_alone_is_the_warm_start_of_sft_then_rl():
+    """Under a variant whose RL runs warm-start with SFT (gpu: 500 SFT steps, then 100 RL
+    steps), the SFT row trains the warm start's 500 steps, not the RL run's 100; the paper-sized
+    and tiny configs (no warm start) keep the paper's protocol: as many steps as RL."""
+    def sft_steps(variant):
+        commands = [c for c, _ in reproduce.plan(["baselines"], "w", variant=variant,
+                                                 rows=["SFT"], columns=["FrozenLake"])]
+        (train,) = [c for c in commands if c[1].endswith("sft.py")]
+        return int(next(a for a in train if a.startswith("--config.sft.steps=")).split("=")[1])
+
+    from configs import frozenlake
+
+    gpu = frozenlake.get_config("gpu")
+    assert gpu.sft.steps > 0 and gpu.sft.steps != gpu.trainer.total_steps
+    assert sft_steps("gpu") == gpu.sft.steps
+    assert sft_steps("tiny") == frozenlake.get_config("tiny").trainer.total_steps
