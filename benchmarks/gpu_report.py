@@ -186,7 +186,10 @@ def main(argv=None):
         sys.exit(f"error: --steps: unknown {', '.join(unknown)} (known: {', '.join(plan)})")
     os.makedirs(a.out, exist_ok=True)
     report = {"argv": sys.argv[1:], "model": TINY if a.quick else a.model,
-              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "steps": {}}
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              # the steps inherit the environment: XLA flags under trial (CUDA graphs of the
+              # decode loop, say) are part of what was measured
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "steps": {}}
     for name in chosen:
         limit, cmd = plan[name]
         report["steps"][name] = run_step(name, limit, cmd, a.out)
