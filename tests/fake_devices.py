@@ -2,17 +2,15 @@
 
 XLA:CPU runs each fake device's part of a program on a thread of its own, and a collective
 (an all-reduce over a mesh axis, say) waits at a rendezvous for all its devices' threads. A
-thread that arrives too late aborts the whole process. Inside the suite (2 cores, another
-pytest worker busy beside it) the 8-device run now and then stalled for good at a rendezvous:
-with a 600 s limit it once took 715 s against 42 s alone, and with 180 s it cost 263 s of a
-686 s suite (this project's Xeon, jax 0.10.2), never reproduced alone or beside a busy core.
-Two flags, each set where the installed XLA knows it (jaxlib 0.7's limit is a fixed 10 s):
-- Eigen's intra-op thread pool off (`--xla_cpu_multi_thread_eigen=false`): each device thread
-  runs its own part whole. XLA:CPU's shared Eigen pool is a known place for such wedges
-  (another project measured 14 hangs in 16 runs without the flag, none in 12 with it), and
-  at this model's size it buys nothing: the 8-device run takes 36 s with it, 37 s without.
-- the rendezvous limit at 60 s, far above any real lateness of these tiny programs, so that a
-  stall, if one still comes, costs a minute before the one retry, not three.
+thread that arrives too late aborts the whole process. Now and then a run stalls for good at a
+rendezvous, a thread lost rather than late: with a 600 s limit the 8-device run once took 715 s
+inside the suite against 42 s alone; with 180 s it cost 263 s of a 686 s suite (this project's
+Xeon, jax 0.10.2). It never came in nine runs alone or beside a busy core, and most likely
+came to the multi-process tests' 4-device reference run, run alone (its set-up 101 s against
+18-34 s) with Eigen's intra-op thread pool off (`--xla_cpu_multi_thread_eigen=false`, a cure
+for other XLA:CPU wedges), so that flag is not set. What is set, where the
+installed XLA knows it (jaxlib 0.7's limit is a fixed 10 s): a 60 s limit, far above any real
+lateness of these tiny programs, so a stall costs a minute before the one retry, not three.
 """
 
 import functools
@@ -22,7 +20,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATE_LIMIT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
-ONE_THREAD_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen=false"
 ABORTED_AT_RENDEZVOUS = "Termination timeout for"
 
 
@@ -37,9 +34,8 @@ def _xla_knows(flag: str) -> bool:
 def env(n: int = 8) -> dict:
     """os.environ for a CPU-only JAX process with `n` devices (and the repository importable)."""
     flags = f"--xla_force_host_platform_device_count={n}"
-    for flag in (LATE_LIMIT_FLAG, ONE_THREAD_EIGEN_FLAG):
-        if _xla_knows(flag):
-            flags += " " + flag
+    if _xla_knows(LATE_LIMIT_FLAG):
+        flags += " " + LATE_LIMIT_FLAG
     return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
 
 
