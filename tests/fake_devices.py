@@ -17,6 +17,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATE_LIMIT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
@@ -41,10 +42,14 @@ def env(n: int = 8) -> dict:
 
 def run(args: list[str], n: int = 8, timeout: float = 900) -> subprocess.CompletedProcess:
     """`python *args` with `n` fake devices from the repository root; a run that XLA aborted
-    at a collective's rendezvous (a device thread starved, not a wrong result) runs again once."""
-    for _ in range(2):
+    at a collective's rendezvous (a device thread starved, not a wrong result) runs again once,
+    with a warning in pytest's summary that quotes what XLA said (so a log shows each stall)."""
+    for attempt in range(2):
         done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(n), capture_output=True,
                               text=True, timeout=timeout)
         if done.returncode == 0 or ABORTED_AT_RENDEZVOUS not in done.stderr:
             return done
+        said = [line for line in done.stderr.splitlines() if ABORTED_AT_RENDEZVOUS in line]
+        warnings.warn(f"{n}-device run of {' '.join(args)} aborted at a collective's rendezvous "
+                      f"(attempt {attempt + 1} of 2): {said[-1].strip()[-400:]}", stacklevel=2)
     return done

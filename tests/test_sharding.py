@@ -204,3 +204,24 @@ def test_checkpoint_from_a_mesh_resumes_on_one_device(mesh_runs):
                                    results[f"2x4x1/update2.{net}"], atol=1e-3)
         assert np.abs(results[f"resumed/update2.{net}"]
                       - results[f"2x4x1/update2.{net}"]).mean() < 1e-5
+
+
+def test_a_run_aborted_at_a_rendezvous_runs_again_once_and_says_so(tmp_path):
+    """tests/fake_devices.run: a process that ends with XLA's rendezvous abort runs once more
+    and each abort leaves a warning quoting XLA's line; any other failure is returned at once.
+    (A stand-in program: it counts its runs in a file and writes XLA's message.)"""
+    count = tmp_path / "runs"
+    abort = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+             "p.write_text(str(int(p.read_text() or 0) + 1) if p.exists() else '1'); "
+             f"sys.stderr.write('F0 rendezvous.cc:1] {fake_devices.ABORTED_AT_RENDEZVOUS} "
+             "`all-reduce` of 60 seconds exceeded.\\n'); sys.exit(134)")
+    with pytest.warns(UserWarning, match="aborted at a collective's rendezvous") as seen:
+        done = fake_devices.run(["-c", abort, str(count)], n=2, timeout=60)
+    assert done.returncode == 134 and count.read_text() == "2"
+    assert len(seen) == 2 and "`all-reduce` of 60 seconds exceeded" in str(seen[0].message)
+
+    other = tmp_path / "other"
+    fail = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+            "p.write_text('1'); sys.exit(3)")
+    done = fake_devices.run(["-c", fail, str(other)], n=2, timeout=60)
+    assert done.returncode == 3 and other.read_text() == "1"
