@@ -169,7 +169,8 @@ def main(argv=None):
     p.add_argument("--out", default="gpu-report", help="folder for report.json and the logs")
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
     p.add_argument("--steps", default="tests,update,sampler,decode,iteration",
-                   help="comma-separated subset of: tests, update, sampler, iteration, lora")
+                   help="comma-separated subset of: tests, update, sampler, decode, iteration, "
+                        "lora")
     p.add_argument("--tests", default=",".join(TEST_FILES), help="comma-separated test files")
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers")
     p.add_argument("--tests_s", type=float, default=240, help="time limit of the tests, s")
