@@ -98,8 +98,8 @@ def loops(hlo: str) -> list[dict]:
             out.append(dict(body=body.group(1), condition=cond.group(1) if cond else None,
                             instructions=sum(ops.values()), launches=launches,
                             host_round_trips=1 + host,
-                            command_buffers=ops.get("call", 0) if "command_buffer" in hlo
-                            else 0,
+                            command_buffers=sum(o == "call" and "command_buffer" in r
+                                                for o, r in comps[body.group(1)]),
                             by_opcode=dict(ops.most_common()),
                             by_source=dict(where.most_common()),
                             custom_calls=dict(custom.most_common())))

@@ -232,9 +232,9 @@ def steps_of(run: Run, variant: str, steps: int) -> int:
     paper's protocol), or, where the config's RL runs warm-start with SFT (the cpu and gpu
     variants: `sft.steps` > 0), exactly that warm start, so that "SFT" is where "SFT then RL"
     started from."""
-    c = base_config(run.env, variant)
     if steps:
         return steps
+    c = base_config(run.env, variant)
     return c.sft.steps if run.algo == "SFT" and c.sft.steps > 0 else c.trainer.total_steps
 
 
