@@ -9,21 +9,30 @@ optimised HLO: every `while` loop's body, its top-level instructions counted by 
 decode loop is the body that runs the model (the most instructions). Per decode step:
 - `launches`: top-level instructions that do work (fusions, library calls such as matmuls,
   copies, in-place updates, sorts, ...; not tuples, parameters, constants or bitcasts). On a
-  GPU each is one kernel launch or library call (XLA may group runs of them into CUDA graphs:
-  `command_buffers` counts those groups); on a CPU, one compiled kernel or runtime call.
+  GPU each is one kernel launch or library call; XLA groups runs of them into CUDA graphs
+  (command buffers; on by default on GPUs), which the HLO shows only where an XLA version forms
+  them as HLO calls (`command_buffers`); jax 0.11's XLA forms them later, from the compiled
+  thunks, so there 0 does not mean none: compare the sampler's speed with
+  `XLA_FLAGS=--xla_gpu_enable_command_buffer=` (off). On a CPU, one compiled kernel or runtime
+  call.
 - `host_round_trips`: 1 per iteration of a `while` whose condition the device computes: on a
   GPU the host reads the predicate back before it launches the next step, so the launch queue
   drains once per step; plus any host transfer or callback inside the body.
 Launch-bound time per step is about launches x the device's per-launch cost (~2-5 us on an
 H100 without CUDA graphs), against the bandwidth bound of reading the weights and the cache
-(`benchmarks.sampler`'s `decode_bound`). Prints one JSON object.
+(`benchmarks.sampler`'s `decode_bound`). With `--profile=DIR` it also runs the turn and
+ranks the device's kernels by time from a jax.profiler trace (`kernel_profile`): the decode
+step's device time and how busy the device was. Prints one JSON object.
 
 Run from the repository root: `python -m` puts it on the import path.
 """
 
 import argparse
 import collections
+import glob
+import gzip
 import json
+import os
 import re
 import sys
 import time
@@ -106,6 +115,49 @@ def loops(hlo: str) -> list[dict]:
     return sorted(out, key=lambda d: -d["instructions"])
 
 
+def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
+    """Device time by kernel from a perfetto trace (jax.profiler's `perfetto_trace.json.gz`) of
+    one sampler turn of `steps` decode steps, timed at `wall_s` seconds.
+
+    Device events are the complete events ("ph": "X") of processes whose name is not a host's
+    (`/device:GPU:0 ...`; XLA:CPU has none, so there the XLA threads' events stand in, a proxy
+    that counts nested regions twice). A kernel run at least `steps` times is counted as the
+    decode loop's (`per_step_s`: their time over `steps`); `busy_fraction` is all device time
+    over the wall time: near 1 the kernels themselves are the cost, far below 1 the device
+    waits for the host (launches, round trips)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e.get("pid")] = e.get("args", {}).get("name", "")
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
+    device = {p for p, n in procs.items() if n and not n.startswith("/host")}
+    if device:
+        def keep(e):
+            return e.get("pid") in device
+    else:
+        def keep(e):
+            return (threads.get((e.get("pid"), e.get("tid")), "").startswith("tf_XLA")
+                    and not e["name"].startswith(("end:", "Threadpool", "Slinky",
+                                                  "ThunkExecutor", "while")))
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and keep(e):
+            total[e["name"]] += float(e.get("dur", 0)) * 1e-6
+            count[e["name"]] += 1
+    busy = sum(total.values())
+    loop = {k for k, n in count.items() if n >= steps}
+    return dict(source="device" if device else "cpu threads (proxy)", wall_s=round(wall_s, 6),
+                busy_s=round(busy, 6), busy_fraction=round(busy / wall_s, 3) if wall_s else None,
+                kernels=len(total), loop_kernels=len(loop),
+                per_step_s=round(sum(total[k] for k in loop) / steps, 6),
+                per_step_launches=round(sum(count[k] for k in loop) / steps, 1),
+                top=[dict(name=k[:120], total_s=round(v, 5), count=count[k],
+                          mean_us=round(v / count[k] * 1e6, 2))
+                     for k, v in total.most_common(top)])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -115,6 +167,9 @@ def main():
     p.add_argument("--dtype", default="bfloat16", help="decode matmul input dtype")
     p.add_argument("--cache_dtype", default="bfloat16")
     p.add_argument("--hlo_out", default="", help="also write the optimised HLO text here")
+    p.add_argument("--profile", default="",
+                   help="also run the turn (once to warm up, once traced by jax.profiler into "
+                        "this folder) and rank the device's kernels by time")
     a = p.parse_args()
 
     try:
@@ -127,10 +182,10 @@ def main():
     smp = sampler.Sampler(cfg, a.new_tokens, eos_ids=(), pad_id=m.tokenizer.pad_id,
                           prefill_dtype=precision.compute_bound_dtype())
     state = sampler.init_state(cfg, B, P + a.new_tokens, jnp.dtype(a.cache_dtype))
+    args = (jnp.asarray(rows), jnp.ones(rows.shape, bool), jax.random.key(0), jnp.float32(1.0),
+            jnp.ones((B,), bool), None)
     t = time.perf_counter()
-    compiled = sampler.run_turn.lower(
-        smp, m.params, state, jnp.asarray(rows), jnp.ones(rows.shape, bool), jax.random.key(0),
-        jnp.float32(1.0), jnp.ones((B,), bool), None, fresh=True).compile()
+    compiled = sampler.run_turn.lower(smp, m.params, state, *args, fresh=True).compile()
     compile_s = time.perf_counter() - t
     hlo = compiled.as_text()
     if a.hlo_out:
@@ -152,6 +207,23 @@ def main():
                   command_buffers_per_step=step["command_buffers"],
                   decode_body=step, other_loops=[
                       {k: d[k] for k in ("body", "instructions", "launches")} for d in found[1:]])
+    if a.profile:
+        def turn():  # a fresh cache each time: the turn donates it
+            st = sampler.init_state(cfg, B, P + a.new_tokens, jnp.dtype(a.cache_dtype))
+            jax.block_until_ready(compiled(m.params, st, *args))
+
+        turn()
+        t = time.perf_counter()
+        with jax.profiler.trace(a.profile, create_perfetto_trace=True):
+            turn()
+        wall = time.perf_counter() - t
+        traces = sorted(glob.glob(os.path.join(a.profile, "**", "perfetto_trace.json.gz"),
+                                  recursive=True), key=os.path.getmtime)
+        if not traces:
+            sys.exit(f"error: jax.profiler wrote no perfetto trace under {a.profile}")
+        with gzip.open(traces[-1], "rt") as f:
+            events = json.load(f)
+        result["profile"] = kernel_profile(events, a.new_tokens, wall)
     print(f"decode step: {step['launches']} launches ({result['launches_per_layer']} a layer, "
           f"{result['launches_outside_layers']} outside them), {step['host_round_trips']} host "
           f"round trip(s); by source: {dict(list(step['by_source'].items())[:8])}",

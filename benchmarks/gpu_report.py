@@ -50,7 +50,7 @@ def steps(a) -> dict:
         "--batch=128", "--prompt_len=256", "--new_tokens=256"]
     config = "configs/frozenlake.py:tiny" if a.quick else "configs/frozenlake.py"
     return {
-        "tests": (a.tests_s, py + ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+        "tests": (a.tests_s, py + ["-m", "pytest", "-v", "-p", "no:cacheprovider",
                                    f"-n={a.workers}", "-o", "addopts=-m 'not multiprocess'",
                                    *a.tests.split(",")]),
         "update": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
@@ -61,7 +61,8 @@ def steps(a) -> dict:
                                       *([] if a.quick else [f"--config.model.path={model}"])]),
         # what one decode step launches and how often the host waits (compiled, not run)
         "decode": (a.step_s, py + ["-m", "benchmarks.decode_step", f"--model={model}", *sample,
-                                   f"--hlo_out={os.path.join(a.out, 'decode_step.hlo')}"]),
+                                   f"--hlo_out={os.path.join(a.out, 'decode_step.hlo')}",
+                                   f"--profile={os.path.join(a.out, 'decode_profile')}"]),
         # not in the default steps: LoRA rank 64 beside full fine-tuning (docs/lora.md)
         "lora": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
                                  "--lora_rank=64", "--torch=no"]),
@@ -88,8 +89,15 @@ def pytest_counts(text: str) -> dict:
             counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
                       for n, kind in found}
             break
-    counts["failing"] = [ln.split()[1] for ln in text.splitlines()
-                         if ln.startswith(("FAILED ", "ERROR ")) and len(ln.split()) > 1]
+    # the short summary's `FAILED id - ...`, and -v's `[gw0] [ 5%] FAILED id` as each test ends
+    # (a run stopped by its time limit has no summary)
+    failing = re.findall(r"(?:^|\] )(?:FAILED|ERROR) (\S+::\S+|\S+\.py)", text, re.M)
+    counts["failing"] = list(dict.fromkeys(failing))
+    if not any(k in counts for k in ("passed", "failed")):  # no summary: count -v's lines
+        for kind in ("passed", "failed", "skipped"):
+            n = len(re.findall(rf"\] {kind.upper()} \S+", text))
+            if n:
+                counts[kind] = n
     return counts
 
 
@@ -139,7 +147,8 @@ def headline(report: dict) -> dict:
         "sampler_fraction_of_bound": get("sampler", "fraction_of_bandwidth_bound"),
         "decode_launches_per_step": get("decode", "launches_per_step"),
         "decode_launches_per_layer": get("decode", "launches_per_layer"),
-        "decode_command_buffers_per_step": get("decode", "command_buffers_per_step"),
+        "decode_step_device_s": get("decode", "profile", "per_step_s"),
+        "decode_busy_fraction": get("decode", "profile", "busy_fraction"),
         "plan_max_gb": max(plan.values()) if plan else None,
         "peak_gb": max(peaks) if peaks else None,
         "rollout_fraction_of_bound": get("iteration", "rollout_fraction_of_bound"),

@@ -70,6 +70,13 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
     counts = g.pytest_counts(log)
     assert (counts["failed"], counts["passed"], counts["skipped"], counts["error"]) == (2, 35, 3, 1)
     assert counts["failing"] == ["tests/test_model.py::test_a", "tests/test_x.py::b"]
+    # a -v run with xdist stopped by its limit: no summary, the ids and counts from its lines
+    cut = ("[gw1] [  3%] PASSED tests/test_lora.py::test_a \n"
+           "[gw0] [  6%] FAILED tests/test_memory.py::test_b[tiny] \n"
+           "[gw1] [  9%] SKIPPED tests/test_model.py::test_c \n"
+           "[gw0] [ 12%] PASSED tests/test_model.py::test_d[x-1] \n")
+    assert g.pytest_counts(cut) == {"passed": 2, "failed": 1, "skipped": 1,
+                                    "failing": ["tests/test_memory.py::test_b[tiny]"]}
     assert g.last_json('{"a": 1}\nnoise\n{"a": 2}\n{broken\n') == {"a": 2}
     report = {"steps": {"tests": counts, "iteration": {"result": {
         "iteration_s": 3.5, "memory_gb": {"plan": {"rollout": 12.0, "update": 21.0},
@@ -122,7 +129,7 @@ ENTRY %main (x.0: f32[4]) -> f32[4] {
 """
 
 
-def test_decode_step_counts_what_a_loop_body_launches():
+def test_decode_step_counts_what_a_loop_body_launches(tmp_path):
     """benchmarks/decode_step.py's reading of a while body, against a hand count of HLO above:
     5 launches (3 fusions, the copy, the callback: not the parameter, the tuple elements, the
     constant or the tuple) plus the counter's add, 2 host round trips (the condition, the
@@ -138,7 +145,8 @@ def test_decode_step_counts_what_a_loop_body_launches():
 
     spec = "random:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64,vocab=400"
     p = subprocess.run([sys.executable, "-m", "benchmarks.decode_step", f"--model={spec}",
-                        "--batch=2", "--prompt_len=8", "--new_tokens=4"],
+                        "--batch=2", "--prompt_len=8", "--new_tokens=4",
+                        f"--profile={tmp_path / 'prof'}"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -146,3 +154,34 @@ def test_decode_step_counts_what_a_loop_body_launches():
     # the layer's own work is there, and so is the sampling around it
     assert out["launches_per_layer"] > 0 and out["launches_outside_layers"] > 0
     assert out["launches_per_step"] == out["launches_per_layer"] + out["launches_outside_layers"]
+    # the traced run: on a CPU the XLA threads' events stand in for a device's kernels
+    prof = out["profile"]
+    assert prof["source"] == "cpu threads (proxy)" and prof["wall_s"] > 0
+    assert prof["loop_kernels"] > 0 and prof["per_step_launches"] > 0 and prof["top"]
+
+
+def test_kernel_profile_ranks_device_kernels_from_a_trace():
+    """decode_step.kernel_profile on a hand-made perfetto trace: only the device process's
+    events count (not the host's), kernels run at least once a step are the loop's, and the
+    figures by hand: busy 4x10 + 4x5 + 100 us = 160 us of a 1 ms wall, a step 15 us and 2
+    launches (4 steps)."""
+    from benchmarks import decode_step
+
+    def ev(pid, name, dur):
+        return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": 0, "dur": dur}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        *[ev(2, "gemm_fusion_dot_3", 10) for _ in range(4)],
+        *[ev(2, "input_reduce_fusion_1", 5) for _ in range(4)],
+        ev(2, "prefill_fusion", 100), ev(1, "cuLaunchKernel", 500),
+        {"ph": "i", "pid": 2, "name": "marker"}]}
+    p = decode_step.kernel_profile(trace, steps=4, wall_s=0.001)
+    assert p["source"] == "device" and p["kernels"] == 3 and p["loop_kernels"] == 2
+    assert p["busy_s"] == 0.00016 and p["busy_fraction"] == 0.16
+    assert p["per_step_s"] == 1.5e-05 and p["per_step_launches"] == 2.0
+    assert [k["name"] for k in p["top"]] == ["prefill_fusion", "gemm_fusion_dot_3",
+                                             "input_reduce_fusion_1"]
+    assert p["top"][1] == {"name": "gemm_fusion_dot_3", "total_s": 4e-05, "count": 4,
+                           "mean_us": 10.0}
