@@ -12,6 +12,7 @@ cannot form) fails when the run is built, still before its workdir is written.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import envs
@@ -102,6 +103,7 @@ def check(config) -> None:
     _guard("env.options", lambda: envs.make(config.env.name, **config.env.options.to_dict()))
     _guard("env.mix", run_config.env_mix, config)
     _guard("val.tags", evaluate.parse_tags, config.val.tags, config.env.name)
+    _guard("val.tags", distinct_val_envs, config)
     _check_chunks(config)
     run_config.context_window(config)
     algo = _guard("algorithm", run_config.algo_config, config)
@@ -109,6 +111,33 @@ def check(config) -> None:
     if config.sft.steps > 0:
         _guard("sft", check_sft, config, envs.make(config.env.name,
                                                     **config.env.options.to_dict()))
+
+
+def distinct_val_envs(config) -> None:
+    """ValueError where two validation sets would play the same env under different names.
+
+    The training env's tag plays the config's `env.options`, other tags their registered
+    defaults (`run_config.make_env`). So `env.options` can turn the training env into another
+    registered variant: training the FrozenLake config with `env.options.is_slippery=False` and
+    validating on "FrozenLake,FrozenLakeNonSlippery" would report RAGEN-2's non-slippery lake
+    twice, once under the paper's name."""
+    tags = evaluate.parse_tags(config.val.tags, config.env.name)
+    played = [(t, run_config.make_env(config, t)) for t in tags]
+    for i, (a, ea) in enumerate(played):
+        for b, eb in played[i + 1:]:
+            if type(ea) is type(eb) and dataclasses.replace(ea, name="") == dataclasses.replace(
+                    eb, name=""):
+                train, other = (a, b) if a == config.env.name else (b, a)
+                own = envs.make(train)
+                changed = {k: v for k, v in config.env.options.to_dict().items()
+                           if getattr(own, k, v) != v}
+                flags = " ".join(f"--config.env.options.{k}={v}" for k, v in changed.items())
+                back = " ".join(f"--config.env.options.{k}={getattr(own, k)}" for k in changed)
+                raise ValueError(
+                    f"{a} and {b} would play the same env: the training env {train} has "
+                    f"{flags.replace('--config.', '') or 'its options'}, as {other}; train {other} "
+                    f"under its own name (--config.env.name={other} {flags}) or give {train} its "
+                    f"own options ({back})")
 
 
 def _check_model(config) -> None:

@@ -346,6 +346,31 @@ def test_a_limited_context_window_needs_its_size():
         assert run_config.rollout_spec(c).context_window == turns
 
 
+def test_two_validation_sets_never_play_one_env_under_two_names():
+    """env.options apply to the training env's tag only, so they can turn it into another
+    registered variant: the FrozenLake config trained with is_slippery=False would validate
+    RAGEN-2's non-slippery lake under both names (a GPU run did: both columns equal). That is
+    a one-line error naming both fixes; training FrozenLakeNonSlippery under its own name keeps
+    the paper's slippery lake in the FrozenLake column."""
+    path = os.path.join(ROOT, "configs/frozenlake.py")
+    for over, train, other, value in (
+            ("--config.env.options.is_slippery=False", "FrozenLake", "FrozenLakeNonSlippery",
+             False),
+            ("--config.env.name=FrozenLakeNonSlippery", "FrozenLakeNonSlippery", "FrozenLake",
+             True)):
+        with pytest.raises(common.UsageError) as e:
+            parse(["train.py", f"--config={path}:gpu", over])
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("val.tags: ")
+        assert f"the training env {train} has env.options.is_slippery={value}, as {other}" in msg
+        assert (f"--config.env.name={other} --config.env.options.is_slippery={value}" in msg
+                and f"(--config.env.options.is_slippery={not value})" in msg)
+    c = parse(["train.py", f"--config={path}:gpu", "--config.env.name=FrozenLakeNonSlippery",
+               "--config.env.options.is_slippery=False"])
+    assert run_config.make_env(c, "FrozenLake").is_slippery
+    assert not run_config.make_env(c, "FrozenLakeNonSlippery").is_slippery
+
+
 def test_every_variant_passes_the_checks_a_run_makes():
     for path, variant, c in all_configs():
         config_check.check(c)  # raises ConfigError naming the key
