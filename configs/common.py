@@ -259,7 +259,8 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # memory while the actor samples (rollout and validation), moved back for the update:
         # those phases then hold the actor's weights alone (the paper config at Qwen2.5-0.5B's
         # shape on one device: rollout 26.1 -> 16.2 GB planned), at the price of moving them
-        # across twice a phase (docs/gpu_tpu.md). Same numbers either way.
+        # across twice a phase (docs/gpu_tpu.md). Same numbers either way. False: on by itself
+        # only where the plan does not fit an accelerator otherwise (training.fit_memory).
         offload_state=False,
         # The update trains on the batch's longest episode rounded up to a multiple of this many
         # tokens, not on the whole max_context (episodes rarely fill it: FrozenLake's cpu rows

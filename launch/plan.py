@@ -6,7 +6,9 @@
 
 For each model shape and number of devices (FSDP over all of them) it prints the estimated peak
 per device of the rollout, the validation and the update (`starpo/memory.py`) and whether the
-largest fits 24 and 80 GB, as a Markdown table, then one JSON line. `--backend` is the platform
+largest fits 24 and 80 GB (or would, with the optimizer state and the critic in host memory
+while the actor samples, as a run on an accelerator then does: `trainer.offload_state`), as a
+Markdown table, then one JSON line. `--backend` is the platform
 the plan is for, as `model.dtype=auto` and `model.attention=auto` would run there: "gpu" (the
 default) multiplies and caches in bfloat16 and trains with cuDNN's flash attention where it
 takes the model's heads; "tpu" in bfloat16 with XLA's attention; "cpu" in float32 with the
@@ -15,6 +17,7 @@ are taken as `--prompt_tokens` long (an upper value: with the SmolLM2 tokenizer 
 156 and 115 tokens), which also sizes the cache to what an episode reaches.
 """
 
+import dataclasses
 import json
 
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
@@ -84,6 +87,8 @@ def main(argv):
         "float32" if FLAGS.backend == "cpu" else "bfloat16")
     context = min(r.max_context, -(-(P + r.max_turn * (P + r.response_length)) // 64) * 64)
     run = run_config.read(CONFIG.value)
+    offload_run = None if run.trainer.offload_state or FLAGS.backend == "cpu" else (
+        dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, offload_state=True)))
     rows, out = [], []
     for name, cfg in cfgs.items():
         for n in devices:
@@ -96,10 +101,23 @@ def main(argv):
                                  else 0.0)
             gb = memory.total_gb(phases)
             peak = max(gb.values())
-            fits = " / ".join("yes" if peak <= cap else "no" for cap in (24, 80))
+            # where it does not fit, a run on an accelerator offloads the optimizer state and
+            # the critic while sampling if that makes it fit (training.fit_memory)
+            off = None
+            if offload_run is not None and peak > 24:
+                off = max(memory.total_gb(memory.plan(
+                    offload_run, cfg, mesh_shape=(1, n, 1), prompt_tokens=P,
+                    decode_dtype=dtype, update_dtype=dtype, contexts=(context, context),
+                    attention=kernels(FLAGS.backend, cfg, dtype),
+                    workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu"
+                    else 0.0)).values())
+            fits = " / ".join("yes" if peak <= cap else
+                              f"yes, offloading ({off:.1f})" if off and off <= cap else "no"
+                              for cap in (24, 80))
             rows.append(f"| {name} | {n} | {gb['rollout']:.1f} | {gb['validation']:.1f} | "
                         f"{gb['update']:.1f} | {fits} |")
-            out.append({"model": name, "params": cfg.num_params, "devices": n, **gb})
+            out.append({"model": name, "params": cfg.num_params, "devices": n, **gb,
+                        **({"peak_offloaded": off} if off is not None else {})})
     print("| model | devices | rollout GB | validation GB | update GB | fits 24 / 80 GB |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

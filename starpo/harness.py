@@ -229,18 +229,24 @@ def raise_if_stopped(stoppers: list, n: int, total: int, what: str = "step") -> 
 
 # ----------------------------------------------------------------------------- the first lines
 # `exp` below is an `experiment.Experiment` (a floor above: this module only reads its fields)
+def plan_phases(exp) -> list:
+    """The memory plan of `exp`'s phases per device (`memory.plan`), not printed or checked."""
+    run = exp.run
+    dtypes = run.model.dtypes
+    return memory.plan(run, exp.policy.cfg, mesh_shape=tuple(exp.mesh.shape.values()),
+                       prompt_tokens=memory.prompt_tokens(exp.rollout),
+                       decode_dtype=dtypes["decode"], update_dtype=dtypes["update"],
+                       contexts=(exp.rollout.context, max(
+                           [vs.rollout.context for vs in exp.val_sets.values()] or [0])),
+                       attention=model_lib.kernels(exp.policy.cfg.replace(
+                           dtype=dtypes["update"])), workspace=memory.matmul_workspace())
+
+
 def memory_plan(exp, log=metrics_lib.say) -> list:
     """Print the estimated peak memory of each phase beside the device's capacity; raise
     `memory.MemoryPlanError` where one cannot fit (`trainer.memory_check`; else a warning)."""
     run = exp.run
-    dtypes = run.model.dtypes
-    phases = memory.plan(run, exp.policy.cfg, mesh_shape=tuple(exp.mesh.shape.values()),
-                         prompt_tokens=memory.prompt_tokens(exp.rollout),
-                         decode_dtype=dtypes["decode"], update_dtype=dtypes["update"],
-                         contexts=(exp.rollout.context, max(
-                             [vs.rollout.context for vs in exp.val_sets.values()] or [0])),
-                         attention=model_lib.kernels(exp.policy.cfg.replace(
-                             dtype=dtypes["update"])), workspace=memory.matmul_workspace())
+    phases = plan_phases(exp)
     capacity, where = memory.device_capacity()
     if jax.process_index() == 0:
         log(memory.describe(phases, capacity, where))

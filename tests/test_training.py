@@ -7,6 +7,7 @@ assertions are on validation numbers. One built Bandit experiment is shared by e
 this module, so each program compiles once.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -108,6 +109,35 @@ def test_an_offloaded_state_trains_the_same_and_is_off_the_device_while_sampling
     jax.tree_util.tree_map(np.testing.assert_array_equal,
                            *(checkpoint.load_params(os.path.join(runs[o], "checkpoints"), 2)
                              for o in (False, True)))
+
+
+def test_a_plan_too_big_for_the_device_turns_offloading_on_where_that_makes_it_fit(
+        monkeypatch):
+    """training.fit_memory: with a device capacity between the plan with the state offloaded
+    and the plan without, the run offloads (and says so); above both, or below both, it keeps
+    the config's setting; a CPU never does (its host memory is the device's)."""
+    from starpo import harness, memory
+
+    # a validation of 4,096 episodes at once: its cache outweighs the update (built, not run)
+    config = with_changes(bandit.get_config("tiny"), algorithm__adv_estimator="gae",
+                          val__env_groups=4096)
+    exp = experiment.build(run_config.read(config))
+    worst = lambda e: max(p.total for p in harness.plan_phases(e))  # noqa: E731
+    kept = worst(exp)
+    offloaded = worst(dataclasses.replace(exp, run=dataclasses.replace(
+        exp.run, trainer=dataclasses.replace(exp.run.trainer, offload_state=True))))
+    assert offloaded < kept  # the critic and the moments leave the sampling phases
+    monkeypatch.setattr(training, "offload_frees", lambda device: True)
+    for capacity, expect in (((kept + offloaded) / 2, True), (kept * 2, False),
+                             (offloaded / 2, False)):
+        monkeypatch.setattr(memory, "device_capacity", lambda c=capacity: (c, "device"))
+        said = []
+        out = training.fit_memory(exp, said.append)
+        assert out.run.trainer.offload_state is expect
+        assert (out is exp) is (not expect)
+        assert bool(said) is expect and (not said or "trainer.offload_state on" in said[0])
+    monkeypatch.undo()
+    assert not training.offload_frees(jax.devices()[0])  # the CPU here
 
 
 def test_resumed_run_equals_uninterrupted_run(bandit_run, tmp_path):
