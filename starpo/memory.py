@@ -221,15 +221,17 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     kept = filtering.static_groups(r.env_groups, algo.rollout_filter_ratio,
                                    algo.rollout_filter_strategy) * r.group_size
     micro = min(algo.micro_batch_size, kept)
+    # decode windows hold the cache twice (`cache_copies`): one window holds it once
+    windows = ("rollout.decode_windows",) if run.rollout.decode_windows > 1 else ()
     return [
         Phase("rollout",
               sampling + episode_parts(cfg, train_rows / batch_shards, S, **episodes),
-              ("rollout.batch_size", "rollout.max_context", "mesh.fsdp")
+              ("rollout.batch_size", "rollout.max_context", "mesh.fsdp") + windows
               + (() if offload else ("trainer.offload_state",))),
         Phase("validation",
               sampling + episode_parts(cfg, val_rows / batch_shards, S_val, **episodes),
               ("val.batch_size", "val.env_groups", "rollout.max_context", "mesh.fsdp")
-              + (() if offload else ("trainer.offload_state",))),
+              + windows + (() if offload else ("trainer.offload_state",))),
         Phase("update", state + update_parts(
             run.model, algo, cfg, kept / batch_shards, max(micro / batch_shards, 1), S,
             update_dtype=update_dtype, model_shards=model_shards, attention=attention),

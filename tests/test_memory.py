@@ -198,6 +198,13 @@ def test_phases_scale_as_the_knobs_say():
         assert "trainer.offload_state" in kept[phase].knobs
         assert "trainer.offload_state" not in off[phase].knobs
     assert off["update"].total == kept["update"].total
+    # decode windows hold the cache twice: the sampling phases name the knob that halves it
+    for windows in (1, 2):
+        ps = {p.name: p for p in _plan(with_changes(config, rollout__decode_windows=windows),
+                                       cfg, prompt_tokens=100)}
+        for phase in ("rollout", "validation"):
+            assert ("rollout.decode_windows" in ps[phase].knobs) is (windows > 1)
+        assert "rollout.decode_windows" not in ps["update"].knobs
 
 
 def test_the_plan_command_prints_the_table_for_known_shapes():
