@@ -6,8 +6,9 @@
 
 For each model shape and number of devices (FSDP over all of them) it prints the estimated peak
 per device of the rollout, the validation and the update (`starpo/memory.py`) and whether the
-largest fits 24 and 80 GB (or would, with the optimizer state and the critic in host memory
-while the actor samples, as a run on an accelerator then does: `trainer.offload_state`), as a
+largest fits 24 and 80 GB (or would, as a run on an accelerator then makes it: with the
+optimizer state and the critic in host memory while the actor samples, `trainer.offload_state`,
+then also with one decode window, `rollout.decode_windows=1`: `training.fit_memory`), as a
 Markdown table, then one JSON line. `--backend` is the platform
 the plan is for, as `model.dtype=auto` and `model.attention=auto` would run there: "gpu" (the
 default) multiplies and caches in bfloat16 and trains with cuDNN's flash attention where it
@@ -87,8 +88,15 @@ def main(argv):
         "float32" if FLAGS.backend == "cpu" else "bfloat16")
     context = min(r.max_context, -(-(P + r.max_turn * (P + r.response_length)) // 64) * 64)
     run = run_config.read(CONFIG.value)
-    offload_run = None if run.trainer.offload_state or FLAGS.backend == "cpu" else (
-        dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, offload_state=True)))
+    # what a run on an accelerator tries where its plan does not fit (training.fit_memory)
+    offload_runs = []
+    if not run.trainer.offload_state and FLAGS.backend != "cpu":
+        off = dataclasses.replace(run, trainer=dataclasses.replace(run.trainer,
+                                                                   offload_state=True))
+        offload_runs.append((off, "offloading"))
+        if run.rollout.decode_windows > 1:
+            offload_runs.append((dataclasses.replace(off, rollout=dataclasses.replace(
+                off.rollout, decode_windows=1)), "offloading, 1 window"))
     rows, out = [], []
     for name, cfg in cfgs.items():
         for n in devices:
@@ -103,21 +111,29 @@ def main(argv):
             peak = max(gb.values())
             # where it does not fit, a run on an accelerator offloads the optimizer state and
             # the critic while sampling if that makes it fit (training.fit_memory)
-            off = None
-            if offload_run is not None and peak > 24:
-                off = max(memory.total_gb(memory.plan(
-                    offload_run, cfg, mesh_shape=(1, n, 1), prompt_tokens=P,
-                    decode_dtype=dtype, update_dtype=dtype, contexts=(context, context),
+            # the state in host memory while sampling, then also one decode window
+            def peak_of(r):
+                return max(memory.total_gb(memory.plan(
+                    r, cfg, mesh_shape=(1, n, 1), prompt_tokens=P, decode_dtype=dtype,
+                    update_dtype=dtype, contexts=(context, context),
                     attention=kernels(FLAGS.backend, cfg, dtype),
                     workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu"
                     else 0.0)).values())
-            fits = " / ".join("yes" if peak <= cap else
-                              f"yes, offloading ({off:.1f})" if off and off <= cap else "no"
-                              for cap in (24, 80))
+
+            tried = ([(peak_of(r), label) for r, label in offload_runs]
+                     if peak > 24 else [])
+
+            def fit(cap):
+                if peak <= cap:
+                    return "yes"
+                return next((f"yes, {label} ({p:.1f})" for p, label in tried if p <= cap), "no")
+
+            fits = " / ".join(fit(cap) for cap in (24, 80))
             rows.append(f"| {name} | {n} | {gb['rollout']:.1f} | {gb['validation']:.1f} | "
                         f"{gb['update']:.1f} | {fits} |")
             out.append({"model": name, "params": cfg.num_params, "devices": n, **gb,
-                        **({"peak_offloaded": off} if off is not None else {})})
+                        **{f"peak_{label.replace(', ', '_').replace(' ', '_')}": p
+                           for p, label in tried}})
     print("| model | devices | rollout GB | validation GB | update GB | fits 24 / 80 GB |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

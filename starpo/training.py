@@ -145,12 +145,15 @@ def offload_frees(device) -> bool:
 
 
 def fit_memory(exp: experiment_lib.Experiment, log=print) -> experiment_lib.Experiment:
-    """`exp`, or where its memory plan does not fit the device but would with the optimizer
-    state and the critic in host memory while the actor samples (`trainer.offload_state`), `exp`
-    with that on and a note saying so: a run sized for a bigger card still runs on a 24 GB one
-    (the paper's FrozenLake at Qwen2.5-0.5B's shape: 25.0 GB without, 19.4 with, the update's).
-    An explicit setting, a CPU (its "host memory" is the same memory), a device without host
-    memory or a plan that fits keeps `exp`."""
+    """`exp`, or where its memory plan does not fit the accelerator, the first of these that
+    makes it fit, with a note saying so, instead of stopping: (1) the optimizer state and the
+    critic in host memory while the actor samples (`trainer.offload_state`); (2) that and one
+    decode window (`rollout.decode_windows=1`: the rollout holds its cache once, not twice;
+    early turns then read the whole cache). So the paper's FrozenLake at Qwen2.5-0.5B's shape
+    runs on a 24 GB card (26.1 GB planned, 19.8 with 1), and at Qwen2.5-3B's on a 48 GB one
+    (117.6, 55.8 with 1, 38.9 with 2; `launch/plan.py`). An explicit offload setting, a CPU (its
+    "host memory" is the same memory), a device without host memory or a plan that fits keeps
+    `exp`; where neither fits, the plan's own error names the knobs."""
     run = exp.run
     capacity, where = memory.device_capacity()
     if run.trainer.offload_state or not capacity or not offload_frees(jax.devices()[0]):
@@ -158,17 +161,29 @@ def fit_memory(exp: experiment_lib.Experiment, log=print) -> experiment_lib.Expe
     before = max(harness.plan_phases(exp), key=lambda p: p.total)
     if before.total <= capacity:
         return exp
-    off = dataclasses.replace(exp, run=dataclasses.replace(
-        run, trainer=dataclasses.replace(run.trainer, offload_state=True)))
-    after = max(harness.plan_phases(off), key=lambda p: p.total)
-    if after.total > capacity:
-        return exp  # offloading does not make it fit: the plan's own error names the knobs
+    off = dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, offload_state=True))
+    tries = [(off, "trainer.offload_state on, so the optimizer state and the critic wait in "
+                   "host memory while the actor samples")]
+    if run.rollout.decode_windows > 1:
+        tries.append((dataclasses.replace(off, rollout=dataclasses.replace(
+            off.rollout, decode_windows=1)), "trainer.offload_state on and "
+            "rollout.decode_windows=1, so the optimizer state and the critic wait in host "
+            "memory while the actor samples and the rollout holds its cache once"))
+    for new, what in tries:
+        # the plan reads these settings from the run; the programs are built from it below
+        after = max(harness.plan_phases(dataclasses.replace(exp, run=new)),
+                    key=lambda p: p.total)
+        if after.total <= capacity:
+            break
+    else:
+        return exp
     if jax.process_index() == 0:
         log(f"note: the {before.name} plans {before.total / memory.GB:.1f} GB per device, more "
-            f"than the {capacity / memory.GB:.1f} GB there are ({where}): trainer.offload_state "
-            f"on, so the optimizer state and the critic wait in host memory while the actor "
-            f"samples (then {after.total / memory.GB:.1f} GB at most, the {after.name})")
-    return off
+            f"than the {capacity / memory.GB:.1f} GB there are ({where}): {what} (then "
+            f"{after.total / memory.GB:.1f} GB at most, the {after.name})")
+    if new.rollout == run.rollout:
+        return dataclasses.replace(exp, run=new)
+    return experiment_lib.build(new, exp.policy)  # the rollouts with one window
 
 
 def _offload(exp: experiment_lib.Experiment):

@@ -220,10 +220,10 @@ def test_the_plan_command_prints_the_table_for_known_shapes():
     assert eight["update"] < one["update"] / 2  # FSDP splits the state 8 ways
     # one device misses 24 GB by its sampling phases, which leave the state in host memory
     # under offloading (the update keeps it: its plan is unchanged)
-    assert one["rollout"] > 24 and one["update"] <= one["peak_offloaded"] <= 24
-    assert one["peak_offloaded"] < one["rollout"]
+    assert one["rollout"] > 24 and one["update"] <= one["peak_offloading"] <= 24
+    assert one["peak_offloading"] < one["rollout"]
     assert "| qwen2.5-0.5b | 1 |" in p.stdout and "yes, offloading" in p.stdout
-    assert "peak_offloaded" not in eight  # fits as it is
+    assert "peak_offloading" not in eight  # fits as it is
     # the CPU's view: float32, and the blockwise attention keeps [T,T] probabilities
     cpu = subprocess.run([sys.executable, "launch/plan.py", "--config=configs/frozenlake.py",
                           "--models=qwen2.5-0.5b", "--devices=1", "--backend=cpu"], cwd=ROOT,

@@ -111,31 +111,42 @@ def test_an_offloaded_state_trains_the_same_and_is_off_the_device_while_sampling
                              for o in (False, True)))
 
 
-def test_a_plan_too_big_for_the_device_turns_offloading_on_where_that_makes_it_fit(
-        monkeypatch):
+def test_a_plan_too_big_for_the_device_offloads_then_drops_decode_windows_to_fit(monkeypatch):
     """training.fit_memory: with a device capacity between the plan with the state offloaded
-    and the plan without, the run offloads (and says so); above both, or below both, it keeps
-    the config's setting; a CPU never does (its host memory is the device's)."""
+    and the plan without, the run offloads (and says so); between that and the plan with one
+    decode window as well, it also plays with one window (its rollouts rebuilt so); above all,
+    or below all, it keeps the config's settings; a CPU never does (its host memory is the
+    device's)."""
     from starpo import harness, memory
 
     # a validation of 4,096 episodes at once: its cache outweighs the update (built, not run)
     config = with_changes(bandit.get_config("tiny"), algorithm__adv_estimator="gae",
-                          val__env_groups=4096)
+                          val__env_groups=4096, rollout__decode_windows=2)
     exp = experiment.build(run_config.read(config))
-    worst = lambda e: max(p.total for p in harness.plan_phases(e))  # noqa: E731
-    kept = worst(exp)
-    offloaded = worst(dataclasses.replace(exp, run=dataclasses.replace(
-        exp.run, trainer=dataclasses.replace(exp.run.trainer, offload_state=True))))
-    assert offloaded < kept  # the critic and the moments leave the sampling phases
+
+    def worst(offload, windows):
+        run = dataclasses.replace(
+            exp.run, trainer=dataclasses.replace(exp.run.trainer, offload_state=offload),
+            rollout=dataclasses.replace(exp.run.rollout, decode_windows=windows))
+        return max(p.total for p in harness.plan_phases(dataclasses.replace(exp, run=run)))
+
+    kept, offloaded, one_window = worst(False, 2), worst(True, 2), worst(True, 1)
+    # the critic and the moments leave the sampling phases; one window holds the cache once
+    assert one_window < offloaded < kept
     monkeypatch.setattr(training, "offload_frees", lambda device: True)
-    for capacity, expect in (((kept + offloaded) / 2, True), (kept * 2, False),
-                             (offloaded / 2, False)):
+    for capacity, offload, windows in (((kept + offloaded) / 2, True, 2),
+                                       ((offloaded + one_window) / 2, True, 1),
+                                       (kept * 2, False, 2), (one_window / 2, False, 2)):
         monkeypatch.setattr(memory, "device_capacity", lambda c=capacity: (c, "device"))
         said = []
         out = training.fit_memory(exp, said.append)
-        assert out.run.trainer.offload_state is expect
-        assert (out is exp) is (not expect)
-        assert bool(said) is expect and (not said or "trainer.offload_state on" in said[0])
+        assert out.run.trainer.offload_state is offload
+        assert out.run.rollout.decode_windows == windows == out.rollout.sampler.decode_windows
+        assert (out is exp) is (not offload)
+        assert bool(said) is offload
+        if offload:
+            assert said[0].startswith("note: the validation plans ")
+            assert ("rollout.decode_windows=1" in said[0]) is (windows == 1)
     monkeypatch.undo()
     assert not training.offload_frees(jax.devices()[0])  # the CPU here
 
