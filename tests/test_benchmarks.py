@@ -156,10 +156,12 @@ def test_decode_step_counts_what_a_loop_body_launches(tmp_path):
     assert out["launches_per_step"] == out["launches_per_layer"] + out["launches_outside_layers"]
     # the traced run: on a CPU the XLA threads' events stand in for a device's kernels
     prof = out["profile"]
-    assert prof["source"] == "cpu threads (proxy)" and prof["wall_s"] > 0
+    on_cpu = out["backend"] == "cpu"
+    assert prof["source"] == ("cpu threads (proxy)" if on_cpu else "device")
+    assert prof["wall_s"] > 0
     import jax
 
-    if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 10):
+    if not on_cpu or tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 10):
         # (jax 0.7.1's XLA:CPU traces no per-op events: there the ranking is empty)
         assert prof["loop_kernels"] > 0 and prof["per_step_launches"] > 0 and prof["top"]
 

@@ -148,7 +148,8 @@ def test_a_plan_too_big_for_the_device_offloads_then_drops_decode_windows_to_fit
             assert said[0].startswith("note: the validation plans ")
             assert ("rollout.decode_windows=1" in said[0]) is (windows == 1)
     monkeypatch.undo()
-    assert not training.offload_frees(jax.devices()[0])  # the CPU here
+    device = jax.devices()[0]  # a CPU's host memory is its own memory: never offloaded to
+    assert training.offload_frees(device) is (device.platform != "cpu")
 
 
 def test_resumed_run_equals_uninterrupted_run(bandit_run, tmp_path):
