@@ -238,13 +238,17 @@ def steps_of(run: Run, variant: str, steps: int) -> int:
     return c.sft.steps if run.algo == "SFT" and c.sft.steps > 0 else c.trainer.total_steps
 
 
-def train_command(run: Run, workdir: str, variant: str, model_path: str, steps: int, extra=()):
-    """The `launch/train.py` (or sft.py) command line of `run`, as a list."""
+def train_command(run: Run, workdir: str, variant: str, model_path: str, steps: int, extra=(),
+                  init_from: str = ""):
+    """The `launch/train.py` (or sft.py) command line of `run`, as a list. init_from: an SFT
+    run's folder the RL run starts from instead of its own warm start (`sft.steps=0`)."""
     c = base_config(run.env, variant)
     launcher = "sft.py" if run.algo == "SFT" else "train.py"
     o = {}
     if model_path:
         o["model.path"] = model_path
+    if init_from:
+        o["model.init_from"], o["sft.steps"] = init_from, 0
     if run.algo != "SFT":
         o.update({f"algorithm.{k}": v for k, v in ALGORITHMS[run.algo].items()})
     if not run.think:
@@ -325,15 +329,34 @@ def plan(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, row
                 for seed in seeds:
                     tags = needs.setdefault(dataclasses.replace(cell.run, seed=seed), [])
                     tags += [] if cell.tag in tags else [cell.tag]
-    out = []
-    for run, tags in needs.items():
+    out, emitted = [], set()
+    # Under a warm-starting variant (cpu, gpu: sft.steps > 0) an RL run whose SFT row is in
+    # the plan starts from that row's weights instead of training the same warm start again
+    # (same config and seed: the same SFT), so "SFT then RL" starts exactly where "SFT" ends,
+    # one SFT per env and seed; that SFT run then comes first.
+    def shares(run):
+        sft = dataclasses.replace(run, algo="SFT")
+        return sft if (run.algo not in ("SFT", "untrained") and not steps and sft in needs
+                       and base_config(run.env, variant).sft.steps > 0) else None
+
+    def emit(run):
+        if run in emitted:
+            return
+        emitted.add(run)
         if run.algo != "untrained":
+            sft = shares(run)
+            if sft is not None:
+                emit(sft)
             done = finished(workdir, run, steps_of(run, variant, steps))
-            out.append((train_command(run, workdir, variant, model_path, steps, extra), done))
+            out.append((train_command(run, workdir, variant, model_path, steps, extra,
+                                      init_from=run_dir(workdir, sft) if sft else ""), done))
         have = results(workdir, run)
-        missing = [t for t in tags if t not in have]
-        out.append((eval_command(run, workdir, missing or tags, eval_groups, variant,
+        missing = [t for t in needs[run] if t not in have]
+        out.append((eval_command(run, workdir, missing or needs[run], eval_groups, variant,
                                  model_path), not missing))
+
+    for run in needs:
+        emit(run)
     return out
 
 
@@ -470,10 +493,14 @@ def main(argv):
 def check(commands) -> None:
     """Every training command's config parsed and checked as its launcher will (unknown keys,
     wrong types, values the run cannot use): ValueError naming the run, before any work."""
+    trained = set()  # the runs the plan trains before: an RL run may start from one of them
     for command, _ in commands:
         if command[1].endswith("eval.py"):
             continue
-        argv = ["reproduce", *(a for a in command[2:] if a.startswith("--config"))]
+        planned = {f"--config.model.init_from={w}" for w in trained}
+        argv = ["reproduce", *(a for a in command[2:]
+                               if a.startswith("--config") and a not in planned)]
+        trained.add(next(a for a in command if a.startswith("--workdir=")).split("=", 1)[1])
         values = flags.FlagValues()
         holder = common.define_config("config", flag_values=values, sys_argv=argv)
         try:

@@ -280,3 +280,35 @@ def test_sft_alone_is_the_warm_start_of_sft_then_rl():
     assert gpu.sft.steps > 0 and gpu.sft.steps != gpu.trainer.total_steps
     assert sft_steps("gpu") == gpu.sft.steps
     assert sft_steps("tiny") == frozenlake.get_config("tiny").trainer.total_steps
+
+
+def test_rl_rows_start_from_the_sft_row_instead_of_training_it_again(tmp_path):
+    """Under a warm-starting variant (gpu) an RL row whose SFT row is in the plan starts from
+    that row's weights (`model.init_from`, `sft.steps=0`), after it in the plan: one SFT per env
+    and seed, and "SFT then RL" starts exactly where "SFT" ends. The plan's check accepts the
+    run it has yet to train. Without the SFT row, with --steps (smoke runs) or without a warm
+    start (tiny), each RL run keeps its own."""
+    w = str(tmp_path)
+
+    def commands(**kw):
+        return [c for c, _ in reproduce.plan(["baselines"], w, columns=["FrozenLake"], **kw)]
+
+    def arg(command, key):
+        return next((a.split("=", 1)[1] for a in command if a.startswith(f"--config.{key}=")),
+                    None)
+
+    plan = commands(variant="gpu", seeds=(0, 2))
+    trains = [c for c in plan if c[1].endswith(("train.py", "sft.py"))]
+    names = [os.path.basename(next(a for a in c if a.startswith("--workdir="))) for c in trains]
+    assert names == ["sft_FrozenLake", "sft_FrozenLake_seed2", "starpo-s_FrozenLake",
+                     "starpo-s_FrozenLake_seed2"]
+    for rl, sft_dir in zip(trains[2:], ("sft_FrozenLake", "sft_FrozenLake_seed2")):
+        assert arg(rl, "model.init_from") == os.path.join(w, sft_dir)
+        assert arg(rl, "sft.steps") == "0"
+    reproduce.check([(c, False) for c in plan])  # the SFT runs do not exist yet: accepted
+    alone = [c for c in commands(variant="gpu", rows=["SFT then RL"])
+             if c[1].endswith("train.py")]
+    smoke = [c for c in commands(variant="gpu", steps=2) if c[1].endswith("train.py")]
+    tiny = [c for c in commands(variant="tiny") if c[1].endswith("train.py")]
+    for c in alone + smoke + tiny:
+        assert arg(c, "model.init_from") is None
