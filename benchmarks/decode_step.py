@@ -158,6 +158,25 @@ def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
                      for k, v in total.most_common(top)])
 
 
+def profile_turn(compiled, params, args, folder: str, steps: int, fresh_state) -> dict:
+    """`kernel_profile` of one run of the compiled turn, traced by jax.profiler into `folder`
+    after a warm-up run; the wall time is the traced run's alone (not the profiler's start)."""
+    def turn():  # a fresh cache each time: the turn donates it
+        jax.block_until_ready(compiled(params, fresh_state(), *args))
+
+    turn()
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        t = time.perf_counter()
+        turn()
+        wall = time.perf_counter() - t
+    traces = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"),
+                              recursive=True), key=os.path.getmtime)
+    if not traces:
+        raise FileNotFoundError(f"jax.profiler wrote no perfetto trace under {folder}")
+    with gzip.open(traces[-1], "rt") as f:
+        return kernel_profile(json.load(f), steps, wall)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -208,22 +227,13 @@ def main():
                   decode_body=step, other_loops=[
                       {k: d[k] for k in ("body", "instructions", "launches")} for d in found[1:]])
     if a.profile:
-        def turn():  # a fresh cache each time: the turn donates it
-            st = sampler.init_state(cfg, B, P + a.new_tokens, jnp.dtype(a.cache_dtype))
-            jax.block_until_ready(compiled(m.params, st, *args))
-
-        turn()
-        t = time.perf_counter()
-        with jax.profiler.trace(a.profile, create_perfetto_trace=True):
-            turn()
-        wall = time.perf_counter() - t
-        traces = sorted(glob.glob(os.path.join(a.profile, "**", "perfetto_trace.json.gz"),
-                                  recursive=True), key=os.path.getmtime)
-        if not traces:
-            sys.exit(f"error: jax.profiler wrote no perfetto trace under {a.profile}")
-        with gzip.open(traces[-1], "rt") as f:
-            events = json.load(f)
-        result["profile"] = kernel_profile(events, a.new_tokens, wall)
+        try:
+            result["profile"] = profile_turn(compiled, m.params, args, a.profile, a.new_tokens,
+                                             lambda: sampler.init_state(
+                                                 cfg, B, P + a.new_tokens,
+                                                 jnp.dtype(a.cache_dtype)))
+        except Exception as e:  # the launch counts above still stand
+            result["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     print(f"decode step: {step['launches']} launches ({result['launches_per_layer']} a layer, "
           f"{result['launches_outside_layers']} outside them), {step['host_round_trips']} host "
           f"round trip(s); by source: {dict(list(step['by_source'].items())[:8])}",
