@@ -109,8 +109,7 @@ def main(argv):
                                  else 0.0)
             gb = memory.total_gb(phases)
             peak = max(gb.values())
-            # where it does not fit, a run on an accelerator offloads the optimizer state and
-            # the critic while sampling if that makes it fit (training.fit_memory)
+            # where it does not fit, what a run on an accelerator tries (training.fit_memory):
             # the state in host memory while sampling, then also one decode window
             def peak_of(r):
                 return max(memory.total_gb(memory.plan(

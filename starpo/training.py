@@ -150,8 +150,9 @@ def fit_memory(exp: experiment_lib.Experiment, log=print) -> experiment_lib.Expe
     critic in host memory while the actor samples (`trainer.offload_state`); (2) that and one
     decode window (`rollout.decode_windows=1`: the rollout holds its cache once, not twice;
     early turns then read the whole cache). So the paper's FrozenLake at Qwen2.5-0.5B's shape
-    runs on a 24 GB card (26.1 GB planned, 19.8 with 1), and at Qwen2.5-3B's on a 48 GB one
-    (117.6, 55.8 with 1, 38.9 with 2; `launch/plan.py`). An explicit offload setting, a CPU (its
+    runs on a 24 GB card (26.1 GB planned, 19.8 with 1), and at Qwen2.5-3B's the rollout plans
+    38.9 GB on one device with 2 (117.6 without, 55.8 with 1; its update, 110 GB, needs several
+    devices; `launch/plan.py`). An explicit offload setting, a CPU (its
     "host memory" is the same memory), a device without host memory or a plan that fits keeps
     `exp`; where neither fits, the plan's own error names the knobs."""
     run = exp.run
