@@ -120,8 +120,9 @@ def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
     one sampler turn of `steps` decode steps, timed at `wall_s` seconds.
 
     Device events are the complete events ("ph": "X") of processes whose name is not a host's
-    (`/device:GPU:0 ...`; XLA:CPU has none, so there the XLA threads' events stand in, a proxy
-    that counts nested regions twice). A kernel run at least `steps` times is counted as the
+    (`/device:GPU:0 ...`), on its CUDA streams' lines where it names them (not the lines derived
+    from them, such as "XLA Ops"); XLA:CPU has no device process, so there the XLA threads'
+    events stand in, a proxy that counts nested regions twice. A kernel run at least `steps` times is counted as the
     decode loop's (`per_step_s`: their time over `steps`); `busy_fraction` is all device time
     over the wall time: near 1 the kernels themselves are the cost, far below 1 the device
     waits for the host (launches, round trips)."""
@@ -133,9 +134,13 @@ def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
     device = {p for p, n in procs.items() if n and not n.startswith("/host")}
+    # a GPU's device process also holds lines derived from its kernels ("XLA Modules", "XLA
+    # Ops", "Steps", ...): where it has CUDA streams, their events alone are the kernels
+    streams = {k for k, n in threads.items() if k[0] in device and n.startswith("Stream")}
     if device:
         def keep(e):
-            return e.get("pid") in device
+            return e.get("pid") in device and (not streams
+                                               or (e.get("pid"), e.get("tid")) in streams)
     else:
         def keep(e):
             return (threads.get((e.get("pid"), e.get("tid")), "").startswith("tf_XLA")

@@ -168,7 +168,8 @@ def test_decode_step_counts_what_a_loop_body_launches(tmp_path):
 
 def test_kernel_profile_ranks_device_kernels_from_a_trace():
     """decode_step.kernel_profile on a hand-made perfetto trace: only the device process's
-    events count (not the host's), kernels run at least once a step are the loop's, and the
+    stream events count (not the host's, not a line derived from them), kernels run at least
+    once a step are the loop's, and the
     figures by hand: busy 4x10 + 4x5 + 100 us = 160 us of a 1 ms wall, a step 15 us and 2
     launches (4 steps)."""
     from benchmarks import decode_step
@@ -179,6 +180,10 @@ def test_kernel_profile_ranks_device_kernels_from_a_trace():
     trace = {"traceEvents": [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
         {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 1, "name": "thread_name", "args": {"name": "Stream #7"}},
+        # a line derived from the kernels: not counted again
+        {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "X", "pid": 2, "tid": 9, "name": "fusion.3", "ts": 0, "dur": 40},
         *[ev(2, "gemm_fusion_dot_3", 10) for _ in range(4)],
         *[ev(2, "input_reduce_fusion_1", 5) for _ in range(4)],
         ev(2, "prefill_fusion", 100), ev(1, "cuLaunchKernel", 500),
