@@ -100,26 +100,19 @@ def main(argv):
     rows, out = [], []
     for name, cfg in cfgs.items():
         for n in devices:
-            phases = memory.plan(run, cfg, mesh_shape=(1, n, 1),
-                                 prompt_tokens=P, decode_dtype=dtype, update_dtype=dtype,
-                                 contexts=(context, context),
-                                 attention=kernels(FLAGS.backend, cfg, dtype),
-                                 # an H100 / H200's (memory.matmul_workspace)
-                                 workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu"
-                                 else 0.0)
-            gb = memory.total_gb(phases)
-            peak = max(gb.values())
-            # where it does not fit, what a run on an accelerator tries (training.fit_memory):
-            # the state in host memory while sampling, then also one decode window
-            def peak_of(r):
-                return max(memory.total_gb(memory.plan(
+            def gb_of(r):  # r's phases (GB per device) on n devices
+                return memory.total_gb(memory.plan(
                     r, cfg, mesh_shape=(1, n, 1), prompt_tokens=P, decode_dtype=dtype,
                     update_dtype=dtype, contexts=(context, context),
                     attention=kernels(FLAGS.backend, cfg, dtype),
-                    workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu"
-                    else 0.0)).values())
+                    # an H100 / H200's (memory.matmul_workspace)
+                    workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu" else 0.0))
 
-            tried = ([(peak_of(r), label) for r, label in offload_runs]
+            gb = gb_of(run)
+            peak = max(gb.values())
+            # where it does not fit, what a run on an accelerator tries (training.fit_memory):
+            # the state in host memory while sampling, then also one decode window
+            tried = ([(max(gb_of(r).values()), label) for r, label in offload_runs]
                      if peak > 24 else [])
 
             def fit(cap):

@@ -131,13 +131,14 @@ def distinct_val_envs(config) -> None:
                 own = envs.make(train)
                 changed = {k: v for k, v in config.env.options.to_dict().items()
                            if getattr(own, k, v) != v}
-                flags = " ".join(f"--config.env.options.{k}={v}" for k, v in changed.items())
+                given = [f"env.options.{k}={v}" for k, v in changed.items()]
+                flags = " ".join(f"--config.{o}" for o in given)
                 back = " ".join(f"--config.env.options.{k}={getattr(own, k)}" for k in changed)
                 raise ValueError(
                     f"{a} and {b} would play the same env: the training env {train} has "
-                    f"{flags.replace('--config.', '') or 'its options'}, as {other}; train {other} "
-                    f"under its own name (--config.env.name={other} {flags}) or give {train} its "
-                    f"own options ({back})")
+                    f"{' '.join(given) or 'its options'}, as {other}; train {other} under its "
+                    f"own name (--config.env.name={other} {flags}) or give {train} its own "
+                    f"options ({back})")
 
 
 def _check_model(config) -> None:
