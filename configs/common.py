@@ -264,7 +264,9 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         offload_state=False,
         # The update trains on the batch's longest episode rounded up to a multiple of this many
         # tokens, not on the whole max_context (episodes rarely fill it: FrozenLake's cpu rows
-        # use about half). Each distinct length compiles the update once; 0 = always max_context.
+        # use about half). Each distinct length compiles the update once, so a batch runs on a
+        # longer context already compiled until its padding there has cost 16 updates
+        # (trajectory.UpdateContexts); 0 = always max_context.
         context_bucket=128,
     ))
     return c

@@ -43,7 +43,7 @@ from starpo import metrics as metrics_lib
 from starpo import rollout as rollout_lib
 from starpo import run_config, sharding
 from starpo import update as update_lib
-from starpo.trajectory import trimmed_length
+from starpo.trajectory import UpdateContexts, trimmed_length
 
 
 @functools.lru_cache(maxsize=4)
@@ -136,6 +136,7 @@ class Phase:
     init: object  # jitted params -> TrainState
     scorer: object  # `make_scorer`: the held-out demonstrations' scores
     val_demos: dict | None = None  # `val_demos`, played at the first validation
+    contexts: UpdateContexts | None = None  # the steps' update contexts (`run` sets it)
 
 
 def build(spec: run_config.RunSpec, exp) -> Phase:
@@ -216,8 +217,9 @@ def train_step(phase: Phase, exp, state, step: int):
     env_state, _ = phase.levels(jax.random.key(spec.seed), jnp.int32(step * spec.sft.env_groups))
     traj, m, weight = phase.demo(env_state, key)
     lengths = sharding.to_host(traj.length)
-    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1],
-                             spec.trainer.context_bucket)
+    if phase.contexts is None:
+        phase.contexts = UpdateContexts(spec.trainer.context_bucket)
+    trained = phase.contexts(int(lengths.max()), traj.tokens.shape[1])
     t1 = time.perf_counter()
     state, um = phase.step(state, traj.truncate(trained), weight)
     out = {k: float(v) for k, v in sharding.to_host(um).items()}
@@ -252,7 +254,8 @@ def run(spec: run_config.RunSpec, workdir: str, exp, phase: Phase, *, progress: 
     ckpt = harness.open_checkpoints(workdir, spec.trainer.keep_checkpoints)
     if not resuming and jax.process_index() == 0:
         harness.write_config(workdir, spec.config)
-    state, start = _resume(phase, exp, ckpt, resuming)
+    state, start, contexts = _resume(phase, exp, ckpt, resuming)
+    phase.contexts = UpdateContexts(spec.trainer.context_bucket, state=contexts)
     if start >= total:
         log(f"sft: {workdir} finished ({start} steps)")
         ckpt.close()
@@ -282,7 +285,7 @@ def run(spec: run_config.RunSpec, workdir: str, exp, phase: Phase, *, progress: 
             end = n == total or bool(stoppers) or (stop_after is not None
                                                    and done_here >= stop_after)
             if end or (s.save_freq > 0 and n % s.save_freq == 0):
-                _save(ckpt, spec.config, n, state)
+                _save(ckpt, spec.config, n, state, phase.contexts)
             if end:
                 break
         bar.close()
@@ -293,20 +296,22 @@ def run(spec: run_config.RunSpec, workdir: str, exp, phase: Phase, *, progress: 
 
 
 def _resume(phase: Phase, exp, ckpt, resuming: bool):
-    """(state, first step): the phase's latest checkpoint's, or a fresh state at step 0."""
+    """(state, first step, `UpdateContexts` state): the phase's latest checkpoint's, or a
+    fresh state at step 0."""
     if not (resuming and ckpt.latest_step() is not None):
-        return phase.init(exp.policy.params), 0
+        return phase.init(exp.policy.params), 0, None
     target = harness.restore_target(jax.eval_shape(lambda: phase.init(exp.policy.params)),
                                     phase.shardings)
     state, meta = ckpt.restore(None, update_lib.split_state(target)[0])
     state = update_lib.join_state(state, (lora.split(exp.policy.params)[1], None))
-    return state, int(meta["step"])
+    return state, int(meta["step"]), meta.get("update_contexts")
 
 
-def _save(ckpt, config, step: int, state) -> None:
+def _save(ckpt, config, step: int, state, contexts: UpdateContexts) -> None:
     saved = update_lib.split_state(state)[0]  # a LoRA base is not saved: it is model.path's
     ckpt.save(step, saved, {"step": step, "seed": config.seed, "phase": "sft",
-                            "config": json.loads(harness.config_json(config))})
+                            "config": json.loads(harness.config_json(config)),
+                            "update_contexts": contexts.state_dict()})
 
 
 def train_only(config, workdir: str, *, progress: bool = True, log=metrics_lib.say):

@@ -37,7 +37,7 @@ from starpo import model as model_lib
 from starpo import rollout as rollout_lib
 from starpo import run_config, sft, sharding
 from starpo import update as update_lib
-from starpo.trajectory import trimmed_length
+from starpo.trajectory import UpdateContexts
 
 
 # ----------------------------------------------------------------------------- one step
@@ -92,14 +92,16 @@ def play_batch(exp: experiment_lib.Experiment, params, key, seed_counter: int):
 
 
 def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: int | None = None,
-               template=None, peaks: bool = False):
+               template=None, peaks: bool = False, contexts: UpdateContexts | None = None):
     """One rollout -> update iteration. Returns (state, scalars); scalars["env/seed_counter"]
     is the level seed counter after it (by default the step's batch starts at
     step * env_groups, as it does unless dynamic sampling played more batches).
     template: a `collapse.TemplateCollapse` (trainer.collapse_mi_freq > 0): on its steps the
     batch's collapse/ scalars, scored with the params that sampled it, before the update.
     peaks: also memory/rollout_peak_gb and memory/update_peak_gb, the device's measured peak
-    so far after each (read where the step waits for them anyway; none on CPU)."""
+    so far after each (read where the step waits for them anyway; none on CPU).
+    contexts: the run's `UpdateContexts` (which context the update trains on, given what the
+    run has compiled); None: the batch's own bucket."""
     run = exp.run
     t0 = time.perf_counter()
     k_roll, k_update = step_keys(run.seed, step)
@@ -112,8 +114,9 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
     t1 = time.perf_counter()
     measured = {"rollout": memory.device_peak()} if peaks else {}
     lengths = sharding.to_host(traj.length)  # [B]: the one host transfer before the update
-    trained = trimmed_length(int(lengths.max()), traj.tokens.shape[1],
-                             run.trainer.context_bucket)
+    if contexts is None:
+        contexts = UpdateContexts(run.trainer.context_bucket)
+    trained = contexts(int(lengths.max()), traj.tokens.shape[1])
     diagnostic = {}
     t_update = t1
     if template is not None and template.due(step + 1):  # the update donates the params
@@ -314,6 +317,7 @@ class _Loop:
         self.unmeasured = {"validation", "train"}
         self.detector = metrics_lib.CollapseDetector(window=run.trainer.collapse_window)
         self.state, self.start, self.counter = None, 0, 0
+        self.contexts = UpdateContexts(run.trainer.context_bucket)
         self.writer = None
         self.empty = 0  # steps in a row whose rollout filter kept no group
 
@@ -355,8 +359,8 @@ class _Loop:
         return metrics_lib.summary_keys(self.run_spec.batch.group_size)
 
     def _resume(self, resuming) -> None:
-        """The state, first step, level seed counter and collapse detector of the latest
-        checkpoint, or fresh ones."""
+        """The state, first step, level seed counter, collapse detector and update contexts of
+        the latest checkpoint, or fresh ones."""
         exp = self.exp
         if resuming and self.ckpt.latest_step() is not None:
             target = update_lib.split_state(experiment_lib.state_target(exp))[0]
@@ -366,6 +370,8 @@ class _Loop:
             self.counter = int(meta.get("env_seed_counter",
                                         self.start * self.run_spec.batch.env_groups))
             self.detector.load_state_dict(meta["collapse_detector"])
+            self.contexts = UpdateContexts(self.trainer.context_bucket,
+                                           state=meta.get("update_contexts"))
             self.log(f"resuming {self.workdir} from step {self.start}")
         else:
             self.state, self.counter = experiment_lib.initial_train_state(exp), 0
@@ -397,7 +403,7 @@ class _Loop:
         first = "train" in self.unmeasured
         self.unmeasured.discard("train")
         self.state, scalars = train_step(self.exp, self.state, step, self.counter, template,
-                                         peaks=first)
+                                         peaks=first, contexts=self.contexts)
         if first:
             harness.measured_peaks(scalars, self.planned, say)
         self.counter = int(scalars["env/seed_counter"])
@@ -448,4 +454,5 @@ class _Loop:
         self.ckpt.save(step, update_lib.split_state(self.state)[0], {
             "step": step, "env_seed_counter": self.counter, "seed": self.run_spec.seed,
             "config": json.loads(harness.config_json(self.run_spec.config)),
-            "collapse_detector": self.detector.state_dict()})
+            "collapse_detector": self.detector.state_dict(),
+            "update_contexts": self.contexts.state_dict()})

@@ -152,6 +152,49 @@ def trimmed_length(max_length: int, context: int, bucket: int) -> int:
     return int(min(context, max(bucket, -(-max_length // bucket) * bucket)))
 
 
+# A context compiled late has cost at most this many whole updates of padding first (below).
+REUSE_PATIENCE = 16
+
+
+class UpdateContexts:
+    """The context each batch's update trains on: its own (`trimmed_length`'s bucket) or a
+    larger one the run has already compiled, whichever the run has paid less for so far.
+
+    A new context costs a compile (10-17 s for SmolLM2's update on an H100, against 0.3-0.7 s
+    an update: docs/results.md, "Sokoban"), while a larger compiled one serves the batch at
+    once at the price of its padding: 1 - own / larger of an update. So a batch runs on the
+    smallest compiled context that holds it, and its own context compiles when the padding
+    spent on it reaches `patience` whole updates (rent or buy, with a compile priced at
+    `patience` updates); a batch longer than every compiled context compiles its own at once.
+    Padding changes nothing but float rounding (the update masks it). The choices depend on
+    the batches' lengths alone, so every process chooses alike, and a resumed run too (its
+    state is in the checkpoint: `state_dict`). One call per update, in order."""
+
+    def __init__(self, bucket: int, patience: float = REUSE_PATIENCE, state: dict | None = None):
+        self.bucket, self.patience = bucket, patience
+        state = state or {}
+        self.compiled = set(int(c) for c in state.get("compiled", ()))
+        self.padding = {int(c): float(x) for c, x in state.get("padding", {}).items()}
+
+    def __call__(self, max_length: int, context: int) -> int:
+        own = trimmed_length(max_length, context, self.bucket)
+        larger = [c for c in self.compiled if own < c <= context]
+        if own in self.compiled or not larger:
+            self.compiled.add(own)
+            return own
+        serving = min(larger)
+        self.padding[own] = self.padding.get(own, 0.0) + 1.0 - own / serving
+        if self.padding[own] < self.patience:
+            return serving
+        del self.padding[own]
+        self.compiled.add(own)
+        return own
+
+    def state_dict(self) -> dict:
+        return {"compiled": sorted(self.compiled),
+                "padding": {str(c): x for c, x in sorted(self.padding.items())}}
+
+
 def check_trajectory(traj: Trajectory, group_size: int) -> None:
     """Host-side check of the contract (for rollout tests and debugging; not jittable).
 

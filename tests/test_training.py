@@ -176,6 +176,10 @@ def test_resumed_run_equals_uninterrupted_run(bandit_run, tmp_path):
     pa = checkpoint.load_params(os.path.join(straight, "checkpoints"), 4)
     pb = checkpoint.load_params(os.path.join(resumed, "checkpoints"), 4)
     jax.tree_util.tree_map(np.testing.assert_array_equal, pa, pb)
+    # the update's contexts go into the checkpoint (trimming off here: the whole context)
+    with open(os.path.join(resumed, "checkpoints", "4", "meta", "metadata")) as f:
+        assert json.load(f)["update_contexts"] == {"compiled": [exp.rollout.context],
+                                                   "padding": {}}
 
     # a damaged checkpoint stops the run with one line, and nothing is changed
     shutil.copytree(resumed, str(tmp_path / "damaged"))

@@ -5,6 +5,7 @@ shared by all tests, compiled at XLA's cheapest optimisation level.
 """
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 from starpo import model as M
 from starpo import run_config as RC
 from starpo import update as UP
-from starpo.trajectory import Trajectory, check_trajectory, trimmed_length
+from starpo.trajectory import Trajectory, UpdateContexts, check_trajectory, trimmed_length
 
 FAST = {"xla_backend_optimization_level": 0}
 _jit = functools.partial(jax.jit, compiler_options=FAST)
@@ -340,6 +341,33 @@ def test_trimmed_length_rounds_up_and_caps():
     assert trimmed_length(1000, 1024, 128) == 1024  # never past the context
     assert trimmed_length(3, 1024, 128) == 128
     assert trimmed_length(515, 1024, 0) == 1024  # 0: no trimming
+
+
+def test_update_contexts_reuse_a_compiled_context_until_its_padding_pays_for_a_compile():
+    """Figures by hand: buckets of 128 in a 1024-token context, a compile priced at 1 update."""
+    choose = UpdateContexts(128, patience=1.0)
+    assert choose(890, 1024) == 896  # nothing compiled: its own
+    # 640 is served by 896 at 1 - 640/896 = 2/7 of an update's padding a batch
+    assert [choose(600, 1024) for _ in range(3)] == [896] * 3  # 2/7, 4/7, 6/7 < 1
+    assert choose(700, 1024) == 896  # 768's own account: 1/7
+    assert choose(600, 1024) == 640  # 8/7 >= 1: compiled now, served by itself from then on
+    assert choose(601, 1024) == 640
+    assert choose(500, 1024) == 640  # 512: the smallest compiled context above it, 1/5
+    assert choose(1000, 1024) == 1024  # longer than every compiled one: at once
+    assert choose(700, 1024) == 896  # 768: 2/7
+    state = choose.state_dict()
+    assert state == {"compiled": [640, 896, 1024],
+                     "padding": {"512": pytest.approx(0.2), "768": pytest.approx(2 / 7)}}
+    # a resumed run's (the state through its checkpoint's JSON) chooses as the run would have
+    resumed = UpdateContexts(128, patience=1.0, state=json.loads(json.dumps(state)))
+    for length, want in ((700, 896), (700, 896), (300, 640), (300, 640), (300, 384),
+                         (2000, 1024)):  # 384 on 640: 0.4, 0.8, then 1.2 >= 1
+        assert resumed(length, 1024) == choose(length, 1024) == want, length
+    assert resumed.state_dict() == choose.state_dict()
+    assert choose.state_dict()["compiled"] == [384, 640, 896, 1024]
+    # a context above the batch's whole context never serves it; bucket 0: the whole context
+    assert UpdateContexts(128, state={"compiled": [896]})(300, 512) == 384
+    assert UpdateContexts(0)(5, 1024) == 1024
 
 
 def test_update_on_the_trimmed_context_equals_the_full_one(params, traj, ppo_update):
