@@ -229,24 +229,29 @@ def raise_if_stopped(stoppers: list, n: int, total: int, what: str = "step") -> 
 
 # ----------------------------------------------------------------------------- the first lines
 # `exp` below is an `experiment.Experiment` (a floor above: this module only reads its fields)
-def plan_phases(exp) -> list:
-    """The memory plan of `exp`'s phases per device (`memory.plan`), not printed or checked."""
-    run = exp.run
+def plan_phases(exp, sft: bool = False) -> list:
+    """The memory plan of `exp`'s phases per device (`memory.plan`), not printed or checked.
+    sft: those of its SFT phase alone (`launch/sft.py`): validation, and an update of
+    `sft.env_groups` demonstrations with SFT's optimizer (no critic, no reference weights);
+    no training batch is sampled."""
+    run = memory.sft_run(exp.run) if sft else exp.run
     dtypes = run.model.dtypes
-    return memory.plan(run, exp.policy.cfg, mesh_shape=tuple(exp.mesh.shape.values()),
-                       prompt_tokens=memory.prompt_tokens(exp.rollout),
-                       decode_dtype=dtypes["decode"], update_dtype=dtypes["update"],
-                       contexts=(exp.rollout.context, max(
-                           [vs.rollout.context for vs in exp.val_sets.values()] or [0])),
-                       attention=model_lib.kernels(exp.policy.cfg.replace(
-                           dtype=dtypes["update"])), workspace=memory.matmul_workspace())
+    phases = memory.plan(run, exp.policy.cfg, mesh_shape=tuple(exp.mesh.shape.values()),
+                         prompt_tokens=memory.prompt_tokens(exp.rollout),
+                         decode_dtype=dtypes["decode"], update_dtype=dtypes["update"],
+                         contexts=(exp.rollout.context, max(
+                             [vs.rollout.context for vs in exp.val_sets.values()] or [0])),
+                         attention=model_lib.kernels(exp.policy.cfg.replace(
+                             dtype=dtypes["update"])), workspace=memory.matmul_workspace())
+    return memory.sft_phases(phases) if sft else phases
 
 
-def memory_plan(exp, log=metrics_lib.say) -> list:
+def memory_plan(exp, log=metrics_lib.say, sft: bool = False) -> list:
     """Print the estimated peak memory of each phase beside the device's capacity; raise
-    `memory.MemoryPlanError` where one cannot fit (`trainer.memory_check`; else a warning)."""
+    `memory.MemoryPlanError` where one cannot fit (`trainer.memory_check`; else a warning).
+    sft: the SFT phase's alone (`plan_phases`)."""
     run = exp.run
-    phases = plan_phases(exp)
+    phases = plan_phases(exp, sft)
     capacity, where = memory.device_capacity()
     if jax.process_index() == 0:
         log(memory.describe(phases, capacity, where))

@@ -240,6 +240,22 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     ]
 
 
+def sft_run(run: run_config.RunSpec) -> run_config.RunSpec:
+    """`run` as its SFT phase alone plans (`plan`, then `sft_phases`): SFT's optimizer (no
+    critic, no reference weights) over `sft.env_groups` demonstrations a step."""
+    algo = run.sft.algo.replace(use_kl_loss=False, use_kl_in_reward=False,
+                                rollout_filter_ratio=1.0)
+    return dataclasses.replace(run, algo=algo, batch=dataclasses.replace(
+        run.batch, env_groups=run.sft.env_groups, group_size=1))
+
+
+def sft_phases(phases: list[Phase]) -> list[Phase]:
+    """An `sft_run`'s plan as the SFT phase runs: validation and the SFT update (no batch is
+    sampled: the demonstrations are the solver's)."""
+    return [dataclasses.replace(p, name="SFT update") if p.name == "update" else p
+            for p in phases if p.name != "rollout"]
+
+
 def prompt_chunks(rollout) -> list[tuple[int, int]]:
     """(prompt prefix tokens, widest observation chunk) of each env a rollout plays: the two
     chunks appended before the first reply."""

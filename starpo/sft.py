@@ -325,7 +325,7 @@ def train_only(config, workdir: str, *, progress: bool = True, log=metrics_lib.s
     t0 = time.perf_counter()
     spec = run_config.read(config)
     exp = experiment_lib.build(spec)
-    harness.memory_plan(exp, log)
+    harness.memory_plan(exp, log, sft=True)  # its own phases: no sampled batch, no critic
     phase = build(spec, exp)
     with jax.set_mesh(exp.mesh):
         if jax.process_index() == 0:

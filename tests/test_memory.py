@@ -207,6 +207,32 @@ def test_phases_scale_as_the_knobs_say():
         assert "rollout.decode_windows" not in ps["update"].knobs
 
 
+def test_an_sft_run_plans_its_own_phases():
+    """`launch/sft.py` plans validation and an update of `sft.env_groups` demonstrations with
+    SFT's optimizer: no sampled batch, no critic, no reference weights (here a PPO run with a
+    KL loss, whose own plan holds both), by hand from the RL plan's parts."""
+    config = with_changes(bandit.get_config("tiny"), algorithm__adv_estimator="gae",
+                          algorithm__use_kl_loss=True, sft__env_groups=8,
+                          algorithm__micro_batch_size=16)
+    exp = experiment.build(config)
+    rl = {p.name: dict(p.parts) for p in harness.plan_phases(exp)}
+    sft = {p.name: dict(p.parts) for p in harness.plan_phases(exp, sft=True)}
+    assert list(sft) == ["validation", "SFT update"]
+    p = exp.policy.cfg.num_params * 4
+    assert rl["validation"]["critic weights + moments"] == 3 * p
+    assert sum(rl["validation"].values()) - sum(sft["validation"].values()) == (
+        pytest.approx(3 * p + p))  # the critic with its moments, the reference weights
+    update, rl_update = sft["SFT update"], rl["update"]
+    assert "critic weights + moments" not in update and "reference weights" not in update
+    assert update["actor AdamW moments"] == rl_update["actor AdamW moments"] == 2 * p
+    assert update["gradient accumulators"] == p == rl_update["gradient accumulators"] / 2
+    T = exp.rollout.context
+    assert update["batch rows"] == 8 * T * 40  # the demonstrations, not the RL batch's 64 rows
+    assert rl_update["batch rows"] == 64 * T * 40
+    # micro-batches of min(16, 8) rows: half the RL update's 16 (of one model, not two)
+    assert update["saved activations"] == pytest.approx(rl_update["saved activations"] / 4)
+
+
 def test_the_plan_command_prints_the_table_for_known_shapes():
     p = subprocess.run([sys.executable, "launch/plan.py", "--config=configs/frozenlake.py",
                         "--models=qwen2.5-0.5b", "--devices=1,8"], cwd=ROOT,
