@@ -31,6 +31,29 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Inherited by the commands the tests start. The `learning` run is the exception: it runs for
 # minutes and would take twice as long (88 -> 161 s), so it compiles fully (fixture below).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# XLA:CPU's newer (MLIR) fusion emitters compile a fusion several times slower than its older
+# loop emitters do, for kernels of the same speed at the tests' sizes: with them off the
+# whole suite took 518 -> 360 s on a 2-core Xeon (the workers' compile seconds 470 -> 197;
+# test_update.py alone 27.8 -> 16.1 s, with jax 0.7.1 23.5 -> 16.9 s), and the FrozenLake
+# learning run the same 85 s alone (its curve moves by float rounding: tests pass unchanged).
+# An XLA_FLAGS entry that an XLA does not know aborts the process, so it is added only for the
+# jaxlib versions requirements.txt allows (both ends checked), and never over a setting of the
+# user's own. Inherited by the commands the tests start (tests/fake_devices.py keeps it too).
+FAST_CPU_COMPILE = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _jaxlib_version() -> tuple:
+    from importlib import metadata
+
+    try:
+        return tuple(int(x) for x in metadata.version("jaxlib").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return ()
+
+
+if ((0, 7) <= _jaxlib_version() < (0, 11)
+        and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU_COMPILE}".strip()
 # One persistent compilation cache for the run, in a fresh directory: the controller makes it
 # before pytest-xdist starts its workers, which inherit the variable (so do the subprocesses the
 # tests start, `starpo.harness.enable_compilation_cache` included). A program compiled by one

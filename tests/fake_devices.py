@@ -34,7 +34,10 @@ def _xla_knows(flag: str) -> bool:
 
 def env(n: int = 8) -> dict:
     """os.environ for a CPU-only JAX process with `n` devices (and the repository importable)."""
-    flags = f"--xla_force_host_platform_device_count={n}"
+    # the suite's own flags (tests/conftest.py) kept, any device count replaced
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])
     if _xla_knows(LATE_LIMIT_FLAG):
         flags += " " + LATE_LIMIT_FLAG
     return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)

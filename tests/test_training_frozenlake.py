@@ -26,7 +26,8 @@ def test_frozenlake_learns_to_reach_the_goal(tmp_path):
     Config seed 0. XLA's summation order depends on the processor's vector width and the
     thread count, and the run amplifies such differences, so the same seed draws a different
     curve on another CPU: at step 100, 0.77 on a 2-core AMD EPYC, 0.65 and 0.81 on a 2-core
-    Intel Xeon (jax 0.10.2; two versions of the code), 0.70 with jax 0.7.1 (docs/results.md). The
+    Intel Xeon (jax 0.10.2; two versions of the code), 0.73 there with XLA:CPU's older fusion
+    emitters (the suite's setting, tests/conftest.py), 0.70 with jax 0.7.1 (docs/results.md). The
     bar sits below every measured curve by more than twice the evaluation's noise and far above
     what a grid-blind policy can score. Broken, it fails: with the advantages' sign flipped
     (`advantages.grpo` negated) success stays 0.0 at every validation and valid answers fall
