@@ -8,14 +8,26 @@ model reads where the player, the goal and the holes are.
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from configs import frozenlake
-from starpo import metrics, training
-from tests.test_training import val_series, with_changes
+from starpo import metrics
+from tests.conftest import FAST_CPU_COMPILE
+from tests.test_training import ROOT, val_series
 
 STEPS = 100  # of the config's 150 (the learning rate schedule does not depend on total_steps)
+
+
+def users_compile_settings() -> dict:
+    """os.environ without the suite's compile settings (tests/conftest.py): every optimisation
+    and XLA:CPU's default emitters, as a user's run compiles (the curves below were measured
+    so; -O0 would run it 2.6x slower, 225 s alone, and draw another curve)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if f != FAST_CPU_COMPILE)
+    return env
 
 
 @pytest.mark.learning
@@ -26,16 +38,22 @@ def test_frozenlake_learns_to_reach_the_goal(tmp_path):
     Config seed 0. XLA's summation order depends on the processor's vector width and the
     thread count, and the run amplifies such differences, so the same seed draws a different
     curve on another CPU: at step 100, 0.77 on a 2-core AMD EPYC, 0.65 and 0.81 on a 2-core
-    Intel Xeon (jax 0.10.2; two versions of the code), 0.73 there with XLA:CPU's older fusion
-    emitters (the suite's setting, tests/conftest.py), 0.70 with jax 0.7.1 (docs/results.md). The
+    Intel Xeon (jax 0.10.2; two versions of the code), 0.70 with jax 0.7.1 (docs/results.md); 0.73
+    on the Xeon with the suite's fusion emitters, 0.44 at -O0, which is why it compiles as a
+    user's run does (`users_compile_settings`). The
     bar sits below every measured curve by more than twice the evaluation's noise and far above
     what a grid-blind policy can score. Broken, it fails: with the advantages' sign flipped
     (`advantages.grpo` negated) success stays 0.0 at every validation and valid answers fall
     from 0.05 to 0.0.
     """
-    config = with_changes(frozenlake.get_config("tiny"), trainer__total_steps=STEPS)
     workdir = str(tmp_path / "run")
-    training.train(config, workdir, progress=False, log=lambda *a: None)
+    with open(tmp_path / "train.log", "w") as log:  # the user's command, as a user compiles it
+        p = subprocess.run([sys.executable, "launch/train.py",
+                            "--config=configs/frozenlake.py:tiny", f"--workdir={workdir}",
+                            f"--config.trainer.total_steps={STEPS}", "--progress=false"],
+                           cwd=ROOT, env=users_compile_settings(), stdout=log,
+                           stderr=subprocess.STDOUT, timeout=1200)
+    assert p.returncode == 0, (tmp_path / "train.log").read_text()[-3000:]
     series = val_series(workdir, "val/FrozenLake/success")
     print("val/FrozenLake/success by step:", series)
     assert series[0][0] == 0 and series[0][1] < 0.05, series
