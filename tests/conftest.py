@@ -33,18 +33,13 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # (tests/test_training_frozenlake.py).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA:CPU's newer (MLIR) fusion emitters compile a fusion several times slower than its older
-# loop emitters do, for kernels of the same speed at the tests' sizes: with them off the
-# whole suite took 518 -> 360 s on a 2-core Xeon (the workers' compile seconds 470 -> 197;
-# test_update.py alone 27.8 -> 16.1 s, with jax 0.7.1 23.5 -> 16.9 s); fully optimised, the
-# FrozenLake learning run took the same 85 s alone with them (its command does without them).
-# Not for users' runs: fully optimised they compile slower (bandit.py:cpu, 4 steps: 144 ->
-# 155 s).
-# Only from jaxlib 0.10 on: with 0.7.1 (23.5 -> 16.9 s there) it also changes what XLA
-# reserves (the rollout's cache is no longer copied), and tests/test_memory.py measures the
-# buffers a user's run gets, with the default emitters. Below 0.11 only: an XLA_FLAGS entry
-# an XLA does not know aborts the process, and later versions are unchecked. Never over a
-# setting of the user's own. Inherited by the commands the tests start (tests/fake_devices.py
-# keeps it too).
+# loop emitters do, for kernels of the same speed at the tests' sizes, so the suite turns them
+# off (its time and the figures: docs/install.md, "Tests"). Not for users' runs: fully optimised,
+# the older emitters compile slower. Only with jaxlib 0.10.x: with 0.7.1 they also change what
+# XLA reserves (the rollout's cache is no longer copied), which tests/test_memory.py measures
+# as a user's run has it, and an XLA_FLAGS entry an XLA does not know aborts the process (later
+# versions are unchecked). Never over a setting of the user's own. Inherited by the commands
+# the tests start (tests/fake_devices.py keeps it too).
 FAST_CPU_COMPILE = "--xla_cpu_use_fusion_emitters=false"
 
 
