@@ -77,10 +77,20 @@ flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every traini
 FLAGS = flags.FLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIG_FILE = {"Bandit": "bandit.py", "FrozenLake": "frozenlake.py", "SimpleSokoban": "sokoban.py"}
+CONFIG_FILE = {"Bandit": "bandit.py", "FrozenLake": "frozenlake.py", "SimpleSokoban": "sokoban.py",
+               "FrozenLakeNonSlippery": "frozenlake.py"}
+# Envs trained from another env's config file: its overrides (RAGEN-2's default lake, 4x4 and
+# not slippery, under its own name, so that the paper's slippery lake stays "FrozenLake").
+ENV_OVERRIDES = {"FrozenLakeNonSlippery": {"env.name": "FrozenLakeNonSlippery",
+                                           "env.options.is_slippery": False}}
 # What each env's runs validate on, and what the tables evaluate them on.
 VAL_TAGS = {"Bandit": "Bandit,BanditTest", "FrozenLake": "FrozenLake,FrozenLakeNonSlippery",
+            "FrozenLakeNonSlippery": "FrozenLakeNonSlippery,FrozenLake",
             "SimpleSokoban": "SimpleSokoban,SokobanDifferentGridVocab,LargerSokoban,FrozenLake"}
+# Every lake run is also evaluated on the other lake (issue 38: reading the map shows on the
+# non-slippery one), whichever table asks for it.
+ALSO_EVALUATED = {"FrozenLake": ("FrozenLakeNonSlippery",),
+                  "FrozenLakeNonSlippery": ("FrozenLake",)}
 # The paper's names of our env variants, where they differ.
 PAPER_NAME = {"SimpleSokoban": "Sokoban", "SokobanDifferentGridVocab": "NewVocab",
               "LargerSokoban": "LargeSokoban", "BanditTest": "Bandit-Rev"}
@@ -172,19 +182,21 @@ def _tables():
         # What a trained model is read against (issue 38), per env: the solver's and the best
         # constant move's exact expected success (lakes, one move a turn for max_turn turns, as
         # the solver's demonstrations), the untrained model, SFT alone and SFT then RL (the
-        # StarPO-S run of a cpu / gpu variant, which warm-starts with SFT).
+        # StarPO-S run of a cpu / gpu variant, which warm-starts with SFT). Each lake's column
+        # is a run trained on that lake (the solver's demonstrations differ: on the slippery
+        # lake it steps sideways around holes it could slide into); each lake's runs are
+        # evaluated on the other lake too (in their eval/ JSON).
         "baselines": ("Baselines: exact policies, the untrained model, SFT, SFT then RL",
                       ("FrozenLake", "FrozenLakeNonSlippery", "Sokoban", "Bandit"), {
             "solver (exact)": {t: Cell(None, t, None, exact="solver")
                                for t in ("FrozenLake", "FrozenLakeNonSlippery")},
             "best constant move (exact)": {t: Cell(None, t, None, exact="best constant move")
                                            for t in ("FrozenLake", "FrozenLakeNonSlippery")},
-            # what a model trained on the slippery lake plays on the other one
-            "slippery lake's solver (exact)": {"FrozenLakeNonSlippery": Cell(
-                None, "FrozenLakeNonSlippery", None, exact="slippery lake's solver")},
             **{row: {"FrozenLake": Cell(Run(algo, "FrozenLake"), "FrozenLake", None),
-                     "FrozenLakeNonSlippery": Cell(Run(algo, "FrozenLake"),
-                                                   "FrozenLakeNonSlippery", None),
+                     # the untrained model is the same for both lakes: one evaluation
+                     "FrozenLakeNonSlippery": Cell(
+                         Run(algo, "FrozenLake" if algo == "untrained" else
+                             "FrozenLakeNonSlippery"), "FrozenLakeNonSlippery", None),
                      "Sokoban": Cell(Run(algo, "SimpleSokoban"), "SimpleSokoban", None),
                      "Bandit": Cell(Run(algo, "Bandit"), "Bandit", None)}
                for row, algo in (("untrained", "untrained"), ("SFT", "SFT"),
@@ -244,7 +256,7 @@ def train_command(run: Run, workdir: str, variant: str, model_path: str, steps: 
     run's folder the RL run starts from instead of its own warm start (`sft.steps=0`)."""
     c = base_config(run.env, variant)
     launcher = "sft.py" if run.algo == "SFT" else "train.py"
-    o = {}
+    o = dict(ENV_OVERRIDES.get(run.env, {}))
     if model_path:
         o["model.path"] = model_path
     if init_from:
@@ -328,7 +340,8 @@ def plan(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, row
                     continue
                 for seed in seeds:
                     tags = needs.setdefault(dataclasses.replace(cell.run, seed=seed), [])
-                    tags += [] if cell.tag in tags else [cell.tag]
+                    tags += [t for t in (cell.tag, *ALSO_EVALUATED.get(cell.run.env, ()))
+                             if t not in tags]
     out, emitted = [], set()
     # Under a warm-starting variant (cpu, gpu: sft.steps > 0) an RL run whose SFT row is in
     # the plan starts from that row's weights instead of training the same warm start again

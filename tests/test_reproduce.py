@@ -202,9 +202,11 @@ def test_eval_out_must_be_writable(tmp_path):
 
 def test_baselines_table_evaluates_the_untrained_model_and_prints_exact_figures(tmp_path):
     """The baselines table: the untrained model is evaluated from its config (no training
-    command), SFT and SFT then RL train as in the main table, the lakes' runs are evaluated on
-    both lakes, and the exact rows come from experiments/lake_baselines.py (the variant's turn
-    budget, the evaluation's levels) without any run."""
+    command), SFT and SFT then RL train as in the main table, each lake's column from runs
+    trained on that lake (RAGEN-2's non-slippery one under its own name, so that the paper's
+    slippery lake keeps "FrozenLake"), every lake run is evaluated on both lakes, and the exact
+    rows come from experiments/lake_baselines.py (the variant's turn budget, the evaluation's
+    levels) without any run."""
     from experiments import lake_baselines
 
     w = str(tmp_path / "w")
@@ -215,7 +217,21 @@ def test_baselines_table_evaluates_the_untrained_model_and_prints_exact_figures(
     assert "--tags=FrozenLake,FrozenLakeNonSlippery" in untrained[0]
     trained = {os.path.basename(c[3]) for c in commands if c[1].endswith(("train.py", "sft.py"))}
     assert trained == {f"{a}_{e}" for a in ("sft", "starpo-s")
-                       for e in ("FrozenLake", "SimpleSokoban", "Bandit")}
+                       for e in ("FrozenLake", "FrozenLakeNonSlippery", "SimpleSokoban",
+                                 "Bandit")}
+    for algo in ("sft", "starpo-s"):
+        (run,) = [c for c in commands if c[1].endswith(("train.py", "sft.py"))
+                  and c[3].endswith(f"{algo}_FrozenLakeNonSlippery")]
+        assert run[2] == "--config=configs/frozenlake.py:gpu"
+        assert {"--config.env.name=FrozenLakeNonSlippery",
+                "--config.env.options.is_slippery=False"} <= set(run)
+        (evaluation,) = [c for c in commands if c[1].endswith("eval.py")
+                         and f"--checkpoint={w}/{algo}_FrozenLakeNonSlippery" in c]
+        assert "--tags=FrozenLakeNonSlippery,FrozenLake" in evaluation
+        (evaluation,) = [c for c in commands if c[1].endswith("eval.py")
+                         and f"--checkpoint={w}/{algo}_FrozenLake" in c]
+        assert "--tags=FrozenLake,FrozenLakeNonSlippery" in evaluation
+    reproduce.check([(c, False) for c in commands])  # every run's config as its launcher reads it
     text = reproduce.format_table("baselines", w, variant="gpu", groups=16)
     cells = {(c["row"], c["column"]): c["ours"] for c in json.loads(text.splitlines()[-1])["cells"]}
     turns = reproduce.base_config("FrozenLake", "gpu").rollout.max_turn
@@ -224,9 +240,16 @@ def test_baselines_table_evaluates_the_untrained_model_and_prints_exact_figures(
         assert cells["solver (exact)", tag] == round(100 * want["solver"], 2)
         assert cells["best constant move (exact)", tag] == round(100 * want["best constant move"],
                                                                    2)
-    assert cells["slippery lake's solver (exact)", "FrozenLakeNonSlippery"] == round(
-        100 * want["slippery lake's solver"], 2)  # (want: the non-slippery lake's figures)
     assert cells["untrained", "FrozenLake"] is None  # not evaluated yet: pending
+    write_eval(w, "starpo-s_FrozenLakeNonSlippery", ["FrozenLakeNonSlippery", "FrozenLake"],
+               [0.875, 0.25])
+    write_eval(w, "starpo-s_FrozenLake", ["FrozenLake", "FrozenLakeNonSlippery"], [0.25, 0.125])
+    cells = {(c["row"], c["column"]): (c["ours"], c["run"]) for c in json.loads(
+        reproduce.format_table("baselines", w, variant="gpu", groups=16).splitlines()[-1])[
+            "cells"]}
+    assert cells["SFT then RL", "FrozenLakeNonSlippery"] == (87.5, "starpo-s_FrozenLakeNonSlippery")
+    assert cells["SFT then RL", "FrozenLake"] == (25.0, "starpo-s_FrozenLake")
+    assert cells["untrained", "FrozenLakeNonSlippery"][1] == "untrained_FrozenLake"
 
 
 def test_seeds_run_apart_and_the_table_gives_their_mean(tmp_path):
