@@ -18,8 +18,9 @@ an interrupted reproduction, and runs shared between tables (StarPO-S on Sokoban
 are trained once. --dry_run prints the commands (those already done commented out) and runs
 nothing; --print_only prints the table from the evaluations there are. The table gives our
 success (%) beside the paper's, then one JSON line. --seeds=0,1,2 runs every row once per config
-seed (the mean over seeds, with its standard error, in each cell); one command per seed can run
-side by side on one GPU, then --print_only --seeds=0,1,2 prints the table of all of them.
+seed (the mean over seeds, with its standard error, in each cell); --parallel=3 runs the seeds
+side by side (one GPU holds several small runs), each seed's commands in order, their output in
+--workdir/logs/; or one command per seed, then --print_only --seeds=0,1,2 prints the table.
 
 The rows, as config overrides of configs/<env>.py[:--variant] (the paper-sized config is
 StarPO-S: PPO with a critic, the std filter keeping a quarter of the groups, decoupled clipping):
@@ -43,6 +44,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
     import _checkout  # noqa: F401
@@ -69,9 +71,14 @@ flags.DEFINE_list("rows", [], "Only these rows (labels as printed; default all).
 flags.DEFINE_list("columns", [], "Only these columns (labels as printed; default all).")
 flags.DEFINE_list("seeds", ["0"], "Config seeds: every run once per seed (seed 0's folder has "
                   "no suffix, seed k's ends in _seedk); a cell is the mean over the seeds with "
-                  "an evaluation, with its standard error across them. Separate commands with "
-                  "different --seeds can run side by side (one GPU holds several small runs); "
+                  "an evaluation, with its standard error across them. --parallel runs them "
+                  "side by side; so do separate commands with different --seeds, after which "
                   "--print_only with all the seeds prints the table.")
+flags.DEFINE_integer("parallel", 1, "Seeds trained and evaluated side by side: each seed's "
+                     "commands run in order, up to this many seeds at once, each process with "
+                     "its share of an accelerator's memory (XLA_PYTHON_CLIENT_MEM_FRACTION = "
+                     "0.9 / parallel unless set) and its output in --workdir/logs/.",
+                     lower_bound=1)
 flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every training run, e.g. "
                           "--set=model.dtype=bfloat16 (repeatable).")
 FLAGS = flags.FLAGS
@@ -332,6 +339,13 @@ def plan(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, row
          columns=(), extra=(), seeds=(0,)):
     """[(command, done)]: each run's training then its evaluation on the tags it lacks, in
     table order, every run once per seed."""
+    return [(command, done) for command, done, _ in planned_runs(
+        tables, workdir, variant, model_path, steps, eval_groups, rows, columns, extra, seeds)]
+
+
+def planned_runs(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, rows=(),
+                 columns=(), extra=(), seeds=(0,)):
+    """`plan`'s [(command, done, run)]: with the run each command trains or evaluates."""
     needs = {}  # run -> tags, in order
     for table in tables:
         for cells in selected(table, rows, columns).values():
@@ -362,11 +376,12 @@ def plan(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, row
                 emit(sft)
             done = finished(workdir, run, steps_of(run, variant, steps))
             out.append((train_command(run, workdir, variant, model_path, steps, extra,
-                                      init_from=run_dir(workdir, sft) if sft else ""), done))
+                                      init_from=run_dir(workdir, sft) if sft else ""), done,
+                        run))
         have = results(workdir, run)
         missing = [t for t in needs[run] if t not in have]
         out.append((eval_command(run, workdir, missing or needs[run], eval_groups, variant,
-                                 model_path), not missing))
+                                 model_path), not missing, run))
 
     for run in needs:
         emit(run)
@@ -498,7 +513,7 @@ def main(argv):
         for command, done in plan(tables, FLAGS.workdir, **settings()):
             print(("# done: " if done else "") + shown(command))
         return
-    reproduce(tables, FLAGS.workdir, **settings())
+    reproduce(tables, FLAGS.workdir, parallel=FLAGS.parallel, **settings())
     print("\n\n".join(format_table(t, FLAGS.workdir, FLAGS.rows, FLAGS.columns, FLAGS.variant,
                                     FLAGS.eval_groups, seeds) for t in tables))
 
@@ -542,22 +557,66 @@ def settings() -> dict:
             "extra": FLAGS.set, "seeds": seed_list(FLAGS.seeds)}
 
 
-def reproduce(tables, workdir, runner=subprocess.run, **kw):
-    """Run `plan`'s commands that are not done, one after another (`runner`: subprocess.run).
-    A failing command ends the reproduction with its exit status (75: stopped on request; the
-    same command resumes)."""
-    commands = plan(tables, workdir, **kw)
-    for i, (command, done) in enumerate(commands):
-        if done:
-            continue
-        if command[1].endswith("eval.py"):  # the tags still missing, now that training is done
-            command = plan(tables, workdir, **kw)[i][0]
-        print(f"reproduce: {shown(command)}", file=sys.stderr, flush=True)
-        rc = runner(command, check=False).returncode
-        if rc:
-            print(f"error: {os.path.basename(command[1])} exited with status {rc}: "
-                  f"{shown(command)}", file=sys.stderr)
-            sys.exit(rc)
+def reproduce(tables, workdir, runner=subprocess.run, parallel=1, **kw):
+    """Run `plan`'s commands that are not done (`runner`: subprocess.run): one after another,
+    or with `parallel` > 1 each seed's commands in order, up to `parallel` seeds at once (the
+    runs of different seeds share nothing). A failing command ends its seed's commands; the
+    reproduction then exits with the first failure's status once the other seeds are done
+    (75: stopped on request; the same command resumes)."""
+    commands = planned_runs(tables, workdir, **kw)
+    chains = {}  # seed -> [index of each command not done], in plan order
+    for i, (_, done, run) in enumerate(commands):
+        if not done:
+            chains.setdefault(run.seed if parallel > 1 else 0, []).append(i)
+    width = min(parallel, len(chains))  # seeds at once
+
+    def run_chain(seed, indices):
+        for i in indices:
+            command = commands[i][0]
+            if command[1].endswith("eval.py"):  # the tags still missing, now training is done
+                command = plan(tables, workdir, **kw)[i][0]
+            if width <= 1:
+                print(f"reproduce: {shown(command)}", file=sys.stderr, flush=True)
+                rc = runner(command, check=False).returncode
+            else:
+                rc = run_logged(runner, command, commands[i][2], workdir, width)
+            if rc:
+                print(f"error: {os.path.basename(command[1])} exited with status {rc}: "
+                      f"{shown(command)}", file=sys.stderr, flush=True)
+                return rc
+        return 0
+
+    if width <= 1:
+        statuses = [run_chain(seed, indices) for seed, indices in chains.items()]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=width) as pool:
+            futures = [pool.submit(run_chain, seed, indices) for seed, indices in chains.items()]
+            statuses = [f.result() for f in futures]
+    failed = [rc for rc in statuses if rc]
+    if failed:
+        sys.exit(failed[0])
+
+
+def run_logged(runner, command, run, workdir: str, parallel: int) -> int:
+    """One command of a seed's, beside `parallel` - 1 others: its output into
+    --workdir/logs/<run>.<launcher>.log, a line when it starts and ends, and its share of an
+    accelerator's memory (a fraction the user set is kept)."""
+    os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+    launcher = os.path.basename(command[1])[:-3]
+    log = os.path.join(workdir, "logs", f"{run.name}.{launcher}.log")
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / parallel:.2f}")
+    print(f"reproduce: [seed {run.seed}] {shown(command)} (output: {log})", file=sys.stderr,
+          flush=True)
+    start = time.monotonic()
+    with open(log, "a", encoding="utf-8") as out:
+        rc = runner(command, check=False, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    print(f"reproduce: [seed {run.seed}] {run.name} {launcher} "
+          f"{'done' if rc == 0 else f'exited with status {rc}'} in {time.monotonic() - start:.0f} s",
+          file=sys.stderr, flush=True)
+    return rc
 
 
 def cli():

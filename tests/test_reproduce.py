@@ -189,6 +189,77 @@ def test_a_reproduction_resumes_where_it_stopped(tmp_path, capsys):
     assert "error: train.py exited with status 75" in capsys.readouterr().err
 
 
+def test_seeds_run_side_by_side_each_in_order(tmp_path, capsys):
+    """--parallel=2 with two seeds: each seed's commands (SFT, its evaluation, RL from it, its
+    evaluation) in plan order, the two seeds at once (each first command waits for the other's
+    at a barrier, which a one-after-another run never reaches), each process with half of 0.9
+    of an accelerator's memory and its output in workdir/logs/; a failing seed stops its own
+    commands only, and the reproduction then exits with its status."""
+    import threading
+
+    from starpo import checkpoint
+
+    w, ran, lock = str(tmp_path), [], threading.Lock()
+    barrier = threading.Barrier(2, timeout=20)
+    first = set()
+
+    def runner(command, check, env, stdout, stderr, fail_seed=None):
+        args = dict(a[2:].split("=", 1) for a in command[2:])
+        run = os.path.basename(args.get("workdir") or args["checkpoint"])
+        seed = int(run.rsplit("_seed", 1)[1]) if "_seed" in run else 0
+        with lock:
+            ran.append((seed, command, env["XLA_PYTHON_CLIENT_MEM_FRACTION"], stdout.name))
+            wait = seed not in first
+            first.add(seed)
+        if wait:
+            barrier.wait()  # both seeds' first commands at once, or a BrokenBarrierError
+        stdout.write(f"output of {run}\n")
+        if seed == fail_seed:
+            return types.SimpleNamespace(returncode=3)
+        if command[1].endswith("eval.py"):
+            tags = args["tags"].split(",")
+            write_eval(w, run, tags, [0.5] * len(tags))
+        else:
+            steps = int(args.get("config.trainer.total_steps") or args["config.sft.steps"])
+            ckpt = checkpoint.Checkpointer(os.path.join(args["workdir"], "checkpoints"))
+            ckpt.save(steps, {"w": np.zeros(2, np.float32)}, {"step": steps})
+            ckpt.close()
+        return types.SimpleNamespace(returncode=0)
+
+    kw = dict(variant="gpu", rows=["SFT", "SFT then RL"], columns=["FrozenLakeNonSlippery"],
+              seeds=(0, 1))
+    planned = [c for c, _ in reproduce.plan(["baselines"], w, **kw)]
+    reproduce.reproduce(["baselines"], w, runner=runner, parallel=2, **kw)
+    for seed in (0, 1):
+        mine = [c for s, c, _, _ in ran if s == seed]
+        suffix = "_seed1" if seed else ""
+        assert [os.path.basename(c[1]) for c in mine] == ["sft.py", "eval.py", "train.py",
+                                                          "eval.py"]
+        assert mine == [c for c in planned if any(a.endswith(f"_FrozenLakeNonSlippery{suffix}")
+                                                   for a in c)]
+    assert {fraction for *_, fraction, _ in ran} == {"0.45"}
+    assert {os.path.basename(log) for *_, log in ran} == {
+        f"{a}_FrozenLakeNonSlippery{s}.{launcher}.log" for a, launcher in (
+            ("sft", "sft"), ("sft", "eval"), ("starpo-s", "train"), ("starpo-s", "eval"))
+        for s in ("", "_seed1")}
+    assert open(os.path.join(w, "logs", "sft_FrozenLakeNonSlippery_seed1.sft.log")).read() == (
+        "output of sft_FrozenLakeNonSlippery_seed1\n")
+    assert all(done for _, done in reproduce.plan(["baselines"], w, **kw))
+
+    # seed 1 done: seeds 2 and 3 run; seed 3 fails at its first command, so its other
+    # commands never run, while seed 2's all do
+    ran.clear(), first.clear(), barrier.reset()
+    kw["seeds"] = (1, 2, 3)
+    with pytest.raises(SystemExit) as e:
+        reproduce.reproduce(["baselines"], w, parallel=2, **kw,
+                            runner=lambda c, **k: runner(c, fail_seed=3, **k))
+    assert e.value.code == 3
+    assert [os.path.basename(c[1]) for _, c, _, _ in ran if "_seed3" in " ".join(c)] == [
+        "sft.py"]
+    assert len([c for _, c, _, _ in ran if "_seed2" in " ".join(c)]) == 4
+    assert "error: sft.py exited with status 3" in capsys.readouterr().err
+
+
 def test_eval_out_must_be_writable(tmp_path):
     """launch/eval.py --out (the files reproduce.py reads) fails before evaluating, not after."""
     blocker = tmp_path / "file"
