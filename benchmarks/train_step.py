@@ -77,6 +77,9 @@ def main(argv):
         log(f"{name}: {phase_s[name]:.2f} s (compile {compile_s[name]:.1f} s)")
         return out
 
+    # the phases' memory plan beside the device's capacity, checked before any work (as a run
+    # checks it); measured again at the end, the process's own buffers would count against it
+    plan = harness.memory_plan(exp, log=log)
     with jax.set_mesh(exp.mesh):
         state = experiment.initial_train_state(exp)
         k_roll, k_update = training.step_keys(config.seed, 0)
@@ -120,7 +123,6 @@ def main(argv):
         ref = exp.policy.params if algo.uses_reference else None  # as `training.train_step`
         _, update_metrics = timed("update", exp.update, state, traj, k_update, ref)
         peaks["update"] = device_peak_gb()
-        plan = harness.memory_plan(exp, log=lambda _: None)
 
     forwards = phase_s["old_logprobs"] + phase_s.get("values", 0.0)
     phases = {"rollout": phase_s["rollout"], "old_logprobs": phase_s["old_logprobs"]}

@@ -361,8 +361,9 @@ def gpu(c: ml_collections.ConfigDict) -> None:
     2 x 256 levels 1.7 s once compiled; 500 SFT steps brought the slippery lake to the
     solver's success and SimpleSokoban to 0.895 (solver 0.996), and 20-40 RL steps after them
     at these rates held both but moved nothing
-    (one on-policy Adam step a batch at lr 1e-5 on a near-deterministic policy: larger rates
-    or more updates per batch are the next thing to measure).
+    (one on-policy Adam step a batch at lr 1e-5 on a near-deterministic policy, close to the
+    solver's success; on a tiny model the same regime lifts a weaker warm start by +0.15 and
+    a strong one by +0.02: docs/results.md, "Supervised warm start").
 
     Why each value: the paper's batch (8 groups x 16 episodes of 5 turns) and StarPO-S (a critic,
     the filter keeping a quarter of the groups, decoupled clipping); thinking off and short
@@ -371,10 +372,18 @@ def gpu(c: ml_collections.ConfigDict) -> None:
     model needed ~1,000 batches to read the grid; 2 CPU cores managed 160, which taught the
     format only); learning rates of the cpu variant (10x the reference's full-model ones, so
     that 100 steps move the policy); the log-prob head in chunks (SmolLM2's 49k vocabulary);
-    256 held-out levels, as the paper.
+    256 held-out levels, as the paper. One decode window (`rollout.decode_windows`): each
+    window is one more decode loop to compile, and the switch between them holds a second
+    copy of the cache, while on a GPU a decode step is bound by its kernel launches, not by
+    the cache it reads (docs/results.md: 2.3 ms a step against a 0.48 ms bandwidth bound at
+    Qwen2.5-0.5B's shape), which is all that windows save. Measured on a 2-core CPU
+    (`python -m benchmarks.train_step --config=configs/frozenlake.py:gpu`, Zen 5 EPYC): the
+    rollout compiled in 12.9 s with one window against 30.0 s with four, and played in 171 s
+    against 159 s; the rollout and validation plan 7.2 GB instead of 10.2 on a GPU (the
+    update's 9.5 GB is then the run's peak). Not yet timed on a GPU.
     """
     c.rollout.update(dict(env_groups=8, group_size=16, max_turn=5, response_length=40,
-                          max_context=1024, enable_think=False, batch_size=0))
+                          max_context=1024, enable_think=False, batch_size=0, decode_windows=1))
     c.val.update(dict(env_groups=256, group_size=1, test_freq=20, batch_size=128))
     c.algorithm.update(dict(adv_estimator="gae", rollout_filter_ratio=0.25,
                             ppo_mini_batch_size=32, micro_batch_size=16, actor_lr=1e-5,

@@ -40,6 +40,11 @@ def test_train_step_benchmark_runs_its_phases_ahead_of_time():
     assert set(out["compile_s"]) == {"rollout", "old_logprobs", "prepare", "update"}
     assert out["episodes"] == 64 and out["iteration_s"] > 0
     assert set(out["memory_gb"]["plan"]) == {"rollout", "validation", "update"}
+    # the plan is checked before any phase runs, as a run checks it (after them, on a CPU, the
+    # process's own buffers would count against the host memory left)
+    lines = p.stderr.splitlines()
+    first_phase = next(i for i, line in enumerate(lines) if line.startswith("rollout: "))
+    assert any(line.startswith("memory plan: update") for line in lines[:first_phase])
 
 
 def test_decode_bound_is_the_bytes_a_step_reads_over_the_bandwidth():
