@@ -102,6 +102,24 @@ def write_eval(workdir, run, tags, success, groups=256):
                   f)
 
 
+def finish(command):
+    """What a launcher's command leaves behind, without running it: an evaluation's JSON
+    (success 0.5 on each tag) or a training run's checkpoint at its last step."""
+    from starpo import checkpoint
+
+    args = dict(a[2:].split("=", 1) for a in command[2:])
+    if command[1].endswith("eval.py"):
+        tags = args["tags"].split(",")
+        write_eval(os.path.dirname(os.path.dirname(os.path.dirname(args["out"]))),
+                   os.path.basename(args["checkpoint"]), tags, [0.5] * len(tags))
+    else:
+        steps = int(args.get("config.trainer.total_steps") or args["config.sft.steps"])
+        ckpt = checkpoint.Checkpointer(os.path.join(args["workdir"], "checkpoints"))
+        ckpt.save(steps, {"w": np.zeros(2, np.float32)}, {"step": steps})
+        ckpt.close()
+    return types.SimpleNamespace(returncode=0)
+
+
 def test_the_table_in_the_papers_layout(tmp_path):
     w = str(tmp_path)
     write_eval(w, "starpo-s_FrozenLake", ["FrozenLake"], [0.25])
@@ -146,17 +164,7 @@ def test_a_reproduction_resumes_where_it_stopped(tmp_path, capsys):
 
     def runner(command, check):
         ran.append(command)
-        args = dict(a[2:].split("=", 1) for a in command[2:])
-        if command[1].endswith("eval.py"):
-            tags = args["tags"].split(",")
-            write_eval(os.path.dirname(os.path.dirname(os.path.dirname(args["out"]))),
-                       os.path.basename(args["checkpoint"]), tags, [0.5] * len(tags))
-        else:
-            steps = int(args.get("config.trainer.total_steps") or args["config.sft.steps"])
-            ckpt = checkpoint.Checkpointer(os.path.join(args["workdir"], "checkpoints"))
-            ckpt.save(steps, {"w": np.zeros(2, np.float32)}, {"step": steps})
-            ckpt.close()
-        return types.SimpleNamespace(returncode=0)
+        return finish(command)
 
     kw = {"variant": "tiny", "steps": 2, "columns": ["Bandit", "Bandit-Rev"]}
     # the Bandit run, already evaluated on Bandit alone: only Bandit-Rev is left to evaluate
@@ -197,8 +205,6 @@ def test_seeds_run_side_by_side_each_in_order(tmp_path, capsys):
     commands only, and the reproduction then exits with its status."""
     import threading
 
-    from starpo import checkpoint
-
     w, ran, lock = str(tmp_path), [], threading.Lock()
     barrier = threading.Barrier(2, timeout=20)
     first = set()
@@ -216,15 +222,7 @@ def test_seeds_run_side_by_side_each_in_order(tmp_path, capsys):
         stdout.write(f"output of {run}\n")
         if seed == fail_seed:
             return types.SimpleNamespace(returncode=3)
-        if command[1].endswith("eval.py"):
-            tags = args["tags"].split(",")
-            write_eval(w, run, tags, [0.5] * len(tags))
-        else:
-            steps = int(args.get("config.trainer.total_steps") or args["config.sft.steps"])
-            ckpt = checkpoint.Checkpointer(os.path.join(args["workdir"], "checkpoints"))
-            ckpt.save(steps, {"w": np.zeros(2, np.float32)}, {"step": steps})
-            ckpt.close()
-        return types.SimpleNamespace(returncode=0)
+        return finish(command)
 
     kw = dict(variant="gpu", rows=["SFT", "SFT then RL"], columns=["FrozenLakeNonSlippery"],
               seeds=(0, 1))
