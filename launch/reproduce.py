@@ -586,14 +586,11 @@ def reproduce(tables, workdir, runner=subprocess.run, parallel=1, **kw):
                 return rc
         return 0
 
-    if width <= 1:
-        statuses = [run_chain(seed, indices) for seed, indices in chains.items()]
-    else:
-        from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=width) as pool:
-            futures = [pool.submit(run_chain, seed, indices) for seed, indices in chains.items()]
-            statuses = [f.result() for f in futures]
+    with ThreadPoolExecutor(max_workers=max(width, 1)) as pool:  # one worker: in plan order
+        futures = [pool.submit(run_chain, seed, indices) for seed, indices in chains.items()]
+        statuses = [f.result() for f in futures]
     failed = [rc for rc in statuses if rc]
     if failed:
         sys.exit(failed[0])
