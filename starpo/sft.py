@@ -48,25 +48,27 @@ from starpo.trajectory import UpdateContexts, trimmed_length
 
 @functools.lru_cache(maxsize=4)
 def make_step(algo: run_config.AlgoConfig, cfg):
-    """Jitted `step(state, traj, weight)` -> (state, metrics): one AdamW update of the mean
-    NLL of the weighted rows' reply tokens, summed over micro-batches."""
+    """Jitted `step(state, traj, weight, positions=None)` -> (state, metrics): one AdamW update
+    of the mean NLL of the weighted rows' reply tokens, summed over micro-batches. positions:
+    `update.reply_positions` of the rows, where the output head runs (it then skips the prompt
+    and observation tokens, most of a demonstration); None: everywhere."""
     tx = update_lib.make_optimizer(algo.actor_lr, algo)
 
-    def nll(params, tokens, valid, mask, *turns):
+    def nll(params, tokens, valid, mask, positions, *turns):
         # under a context window the demonstration is trained in the context the policy sees
         window = update_lib.turn_window(algo, turns[0]) if turns else None
         logp, _ = update_lib.token_logprobs(params, cfg, tokens, valid, algo.logit_chunk_size,
-                                            window=window)
+                                            window=window, positions=positions)
         return -jnp.sum(logp * mask)
 
-    def step(state, traj, weight):
+    def step(state, traj, weight, positions=None):
         B, T = traj.tokens.shape
         valid = jnp.arange(T)[None] < traj.length[:, None]
         mask = traj.loss_mask.astype(jnp.float32) * weight[:, None]
         count = jnp.maximum(mask.sum(), 1.0)
         micro = min(algo.micro_batch_size, B)
-        rows = (traj.tokens, valid, mask) + ((traj.window_turns(),) if algo.context_window
-                                             else ())
+        rows = (traj.tokens, valid, mask, positions) + (
+            (traj.window_turns(),) if algo.context_window else ())
         parts = update_lib.micro_split(rows, micro)
 
         def accumulate(carry, xs):
@@ -220,8 +222,11 @@ def train_step(phase: Phase, exp, state, step: int):
     if phase.contexts is None:
         phase.contexts = UpdateContexts(spec.trainer.context_bucket)
     trained = phase.contexts(int(lengths.max()), traj.tokens.shape[1])
+    traj = traj.truncate(trained)
+    positions = update_lib.reply_positions(traj.loss_mask, update_lib.reply_count(
+        traj.loss_mask))
     t1 = time.perf_counter()
-    state, um = phase.step(state, traj.truncate(trained), weight)
+    state, um = phase.step(state, traj, weight, positions)
     out = {k: float(v) for k, v in sharding.to_host(um).items()}
     demo_stats = evaluate.summarize(traj, m, 1)
     out.update({"sft/demo_success": demo_stats["success"],

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -245,10 +246,10 @@ def _shift_right(x: jax.Array) -> jax.Array:
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
-                   temperature: float = 1.0, window=None):
+                   temperature: float = 1.0, window=None, positions=None):
     """Log-prob and entropy f32[B,T] of each token under the model's distribution at
     `temperature` (the one the sampler drew from), aligned with the token; window: the
-    rollout's `model.TurnWindow` over the rows, or None.
+    rollout's `model.TurnWindow` over the rows, or None; positions: only there (`per_token`).
 
     With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
     rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
@@ -258,16 +259,26 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
             logits = logits / temperature
         return losses.logprobs_and_entropy(logits, y)
 
-    return per_token(params, cfg, tokens, valid, head, chunk, window)
+    return per_token(params, cfg, tokens, valid, head, chunk, window, positions)
 
 
-def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, window=None):
+def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, window=None,
+              positions=None):
     """fn(logits [B,n,V], targets int[B,n]) -> a tuple of [B,n] arrays, run on the logits
     that predict each token and aligned with the token (position 0: 0); with `chunk` > 0,
-    over `chunk` positions at a time, rematerialised in the backward pass."""
+    over `chunk` positions at a time, rematerialised in the backward pass.
+
+    positions: int[B,K] (`reply_positions`): the head runs at those positions alone (a row's
+    reply tokens; 0 = none) and every other position's output is 0 (False). The head (the
+    vocabulary's logits and their softmax) is then paid for K positions a row, not T: with
+    SmolLM2's 49k vocabulary it is ~a fifth of a forward at every position."""
     tokens = sharding.constrain(tokens, ("batch", "length"))
     hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
-    h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
+    if positions is None:
+        h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
+    else:
+        h = jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)
+        targets = jnp.take_along_axis(tokens, positions, axis=1)
 
     def head(params, h, y):
         return fn(model_lib.head_logits(params, cfg, h), y)
@@ -283,7 +294,29 @@ def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, windo
         one = jax.checkpoint(head)
         out = jax.lax.map(lambda xs: one(params, *xs), (h, y))  # [count,B,chunk] each
         out = tuple(x.swapaxes(0, 1).reshape(B, -1)[:, :n] for x in out)
-    return tuple(_shift_right(x) for x in out)
+    if positions is None:
+        return tuple(_shift_right(x) for x in out)
+    # back to [B,T]: the unused slots (position 0) write to a column past the end, dropped
+    T = tokens.shape[1]
+    rows = jnp.arange(B)[:, None]
+    at = jnp.where(positions > 0, positions, T)
+    return tuple(jnp.zeros((B, T + 1), x.dtype).at[rows, at].set(x)[:, :T] for x in out)
+
+
+def reply_count(loss_mask) -> int:
+    """The K of `reply_positions` for a batch (host side): its longest row's reply tokens,
+    rounded up to a power of two (at least 8) so that a run compiles few distinct Ks."""
+    n = int(np.asarray(sharding.to_host(jnp.sum(loss_mask, axis=1))).max(initial=0))
+    return max(8, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def reply_positions(loss_mask, size: int):
+    """int32[B,size]: each row's reply-token (loss_mask) positions in order, then 0s. A row
+    with more than `size` reply tokens raises nothing: pick `size` with `reply_count`."""
+    size = min(size, loss_mask.shape[1])
+    pick = jax.vmap(lambda m: jnp.nonzero(m, size=size, fill_value=0)[0])
+    return pick(loss_mask).astype(jnp.int32)
 
 
 def token_values(params, cfg: ModelConfig, tokens, valid, window=None):

@@ -279,12 +279,14 @@ def test_held_out_demonstrations_are_scored_token_by_token(lake):
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
-def test_sft_step_is_the_weighted_mean_nll_of_reply_tokens():
+@pytest.mark.parametrize("heads", ["everywhere", "replies"])
+def test_sft_step_is_the_weighted_mean_nll_of_reply_tokens(heads):
     """One `sft.make_step` (micro-batches of 2 rows, chunked head) against a plain reference:
     one forward of the whole batch, each reply token's negative log-likelihood weighted by its
     row's weight (weight-0 rows add nothing), summed and divided by the weighted token count;
     the step's loss equals it, and its new weights equal one AdamW step on the reference's
-    gradient."""
+    gradient. `replies`: the output head runs at the reply tokens alone (`reply_positions`, as
+    `sft.train_step` calls it), which must change nothing."""
     import optax
 
     from starpo import update as UP
@@ -318,7 +320,11 @@ def test_sft_step_is_the_weighted_mean_nll_of_reply_tokens():
 
     want_params = adamw_step(want_grads, params)
 
-    new, metrics = sft.make_step(algo, CFG)(state, traj, jnp.asarray(weight))
+    positions = None
+    if heads == "replies":
+        positions = UP.reply_positions(traj.loss_mask, UP.reply_count(traj.loss_mask))
+        assert positions.shape[1] < tokens.shape[1]  # the head does skip positions
+    new, metrics = sft.make_step(algo, CFG)(state, traj, jnp.asarray(weight), positions)
     assert float(metrics["sft/loss"]) == pytest.approx(want_loss, rel=1e-5)
     assert float(metrics["sft/tokens"]) == float((mask * weight[:, None]).sum())
     assert float(metrics["sft/grad_norm"]) == pytest.approx(

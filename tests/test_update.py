@@ -343,6 +343,47 @@ def test_trimmed_length_rounds_up_and_caps():
     assert trimmed_length(515, 1024, 0) == 1024  # 0: no trimming
 
 
+def test_reply_positions_list_each_rows_reply_tokens(traj):
+    """`reply_positions` against a loop over the rows' loss masks, and `reply_count`'s sizes
+    (a power of two, at least 8, at least the longest row's replies) by hand."""
+    mask = np.asarray(traj.loss_mask)
+    K = UP.reply_count(traj.loss_mask)
+    longest = int(mask.sum(1).max())
+    assert K == max(8, 1 << (longest - 1).bit_length()) and longest <= K < T
+    got = np.asarray(UP.reply_positions(traj.loss_mask, K))
+    for b in range(mask.shape[0]):
+        at = [t for t in range(T) if mask[b, t]]
+        assert got[b].tolist() == at + [0] * (K - len(at))
+    assert [UP.reply_count(jnp.zeros((2, 40), bool).at[0, :n].set(True))
+            for n in (0, 1, 8, 9, 16, 17)] == [8, 8, 8, 16, 16, 32]
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_logprobs_at_reply_positions_equal_the_full_heads(params, traj, chunk):
+    """The output head run at the reply tokens alone (`positions`) gives each reply token
+    the log-prob and entropy of the head run everywhere, and 0 at every other position, with
+    and without logit chunks; its gradient through the reply tokens' log-probs is the same."""
+    params = params[0]
+    valid = jnp.arange(T)[None] < traj.length[:, None]
+    mask = traj.loss_mask
+    positions = UP.reply_positions(mask, UP.reply_count(mask))
+
+    def run(p, at):
+        return UP.token_logprobs(p, CFG, traj.tokens, valid, chunk, positions=at)
+
+    full, part = jax.jit(run)(params, None), jax.jit(run)(params, positions)
+    for f, g in zip(full, part):
+        np.testing.assert_allclose(np.asarray(g), np.where(mask, f, 0.0), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(full[0] * mask).sum()) > 0  # the masks select something
+
+    def loss(p, at):
+        return jnp.sum(run(p, at)[0] * mask)
+
+    want, got = (jax.jit(jax.grad(loss))(params, at) for at in (None, positions))
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
 def test_update_contexts_reuse_a_compiled_context_until_its_padding_pays_for_a_compile():
     """Figures by hand: buckets of 128 in a 1024-token context, a compile priced at 1 update."""
     choose = UpdateContexts(128, patience=1.0)
