@@ -169,6 +169,10 @@ class AlgoConfig:
     # at 3584 tokens, micro-batches of 4, 0.5 GB instead of 26 GB
     logit_chunk_size: int = 64
     response_length: int = 400  # the rollout's max new tokens per turn (overlong shaping's Lmax)
+    # the rollout's turns per episode: a row holds at most max_turn x response_length sampled
+    # tokens, where alone the update runs its output head (`update.head_positions`; 0 = at
+    # every position)
+    max_turn: int = 0
     # the rollout's sampling temperature: the policy being optimised is the tempered one, so the
     # training forward divides logits by it too (as the reference's actor does)
     temperature: float = 1.0
@@ -218,7 +222,7 @@ class AlgoConfig:
 
 def _key(name: str) -> str:
     """The config key of an AlgoConfig field (group size and temperature come from `rollout`)."""
-    rollout = ("group_size", "temperature", "response_length", "context_window")
+    rollout = ("group_size", "temperature", "response_length", "context_window", "max_turn")
     return f"rollout.{name}" if name in rollout else f"algorithm.{name}"
 
 
@@ -227,7 +231,7 @@ _BETA = within(0, 1, hi_open=True)
 # field -> rule (`check_rules`)
 _RANGES = {
     "gamma": _RATE, "lam": _RATE, "high_level_gamma": _RATE,
-    "group_size": _SIZE, "context_window": _COUNT,
+    "group_size": _SIZE, "context_window": _COUNT, "max_turn": _COUNT,
     "rollout_filter_ratio": within(0, 1, lo_open=True),
     "rollout_filter_top_p": within(0, 1, lo_open=True),
     "rollout_filter_selection_eps": _COUNT, "gigpo_step_advantage_w": _COUNT,
@@ -256,7 +260,8 @@ def algo_config(config) -> AlgoConfig:
 def _algo(config, window: int) -> AlgoConfig:
     return AlgoConfig(**config.algorithm.to_dict(), group_size=config.rollout.group_size,
                       temperature=config.rollout.temperature,
-                      response_length=config.rollout.response_length, context_window=window)
+                      response_length=config.rollout.response_length, context_window=window,
+                      max_turn=config.rollout.max_turn)
 
 
 def sft_algo(config) -> AlgoConfig:

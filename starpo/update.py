@@ -231,6 +231,7 @@ class Batch:
     returns: jax.Array
     turns: jax.Array | None = None
     keep: jax.Array | None = None
+    positions: jax.Array | None = None  # int[N,K] `reply_positions`: where the head runs
 
 
 def turn_window(algo: AlgoConfig, turns=None):
@@ -308,6 +309,15 @@ def reply_count(loss_mask) -> int:
     rounded up to a power of two (at least 8) so that a run compiles few distinct Ks."""
     n = int(np.asarray(sharding.to_host(jnp.sum(loss_mask, axis=1))).max(initial=0))
     return max(8, 1 << max(n - 1, 0).bit_length())
+
+
+def head_positions(algo: AlgoConfig, loss_mask):
+    """`reply_positions` of an RL batch's rows (in a trace; T static), or None where the head
+    runs everywhere: a row holds at most max_turn x response_length sampled tokens (the
+    sampler's budget a turn), so where the context is longer the head skips the rest. No
+    extra compile: the bound is the run's, not the batch's."""
+    size = algo.max_turn * algo.response_length
+    return reply_positions(loss_mask, size) if 0 < size < loss_mask.shape[1] else None
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -484,12 +494,13 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         micro = _micro_size(algo, N)
         # each row's tokens with the turns a context window reads (None: no window)
         rows = (traj.tokens, valid) + ((traj.window_turns(),) if algo.context_window else ())
+        positions = head_positions(algo, traj.loss_mask & valid)
 
         def logp_of(params):
-            fn = lambda t, v, *turns: token_logprobs(  # noqa: E731
+            fn = lambda t, v, p, *turns: token_logprobs(  # noqa: E731
                 params, actor_cfg, t, v, algo.logit_chunk_size, algo.temperature,
-                turn_window(algo, *turns))[0]
-            return _micro_map(fn, micro, *rows)
+                turn_window(algo, *turns), p)[0]
+            return _micro_map(fn, micro, rows[0], rows[1], positions, *rows[2:])
 
         old_logp = logp_of(state.actor_params)
         ref_logp = logp_of(ref_params) if algo.uses_reference else None
@@ -511,7 +522,8 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         batch = Batch(tokens=traj.tokens, valid=valid, loss_mask=mask, old_logprobs=old_logp,
                       ref_logprobs=ref_logp, old_values=values, advantages=advantages,
                       returns=returns, turns=rows[2] if algo.context_window else None,
-                      keep=keep if algo.rollout_filter_strategy == "top_p" else None)
+                      keep=keep if algo.rollout_filter_strategy == "top_p" else None,
+                      positions=positions)
         return batch, metrics
 
     return prepare
@@ -524,7 +536,7 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
     micro-batch; `num_tokens` / `num_seqs` count the whole mini-batch."""
     logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
                                    algo.logit_chunk_size, algo.temperature,
-                                   turn_window(algo, m.turns))
+                                   turn_window(algo, m.turns), m.positions)
     pg, clipped, lower, log_ratio = losses.policy_loss_terms(
         logp, m.old_logprobs, m.advantages, algo.clip_ratio_low, algo.clip_ratio_high,
         algo.clip_ratio_c)

@@ -33,7 +33,7 @@ FILES = {f"configs/{name}.py": importlib.import_module(f"configs.{name}")
          if name not in ("__init__", "common")}
 VARIANTS = (None, "cpu", "gpu", "tiny")
 # AlgoConfig fields the config keeps in `rollout`
-FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window")
+FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window", "max_turn")
 
 
 def flat(d, prefix=""):

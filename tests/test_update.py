@@ -434,6 +434,34 @@ def test_update_on_the_trimmed_context_equals_the_full_one(params, traj, ppo_upd
     assert_trees_close(short_state.critic_params, full_state.critic_params, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("which", ["grpo", "ppo"])
+def test_update_with_the_head_at_reply_tokens_equals_the_full_one(params, traj, grpo_update,
+                                                                  ppo_update, which):
+    """With the rollout's budget known (max_turn x response_length = 9 reply tokens a row, of
+    a 20-token context), the update runs its output head at the reply tokens alone
+    (`head_positions`): every metric and the new weights are those of the head run everywhere
+    (GRPO with the filter's row gather and a temperature; PPO with a critic past warm-up)."""
+    actor0, critic0 = params
+    algo, full = (GRPO, grpo_update) if which == "grpo" else (PPO, ppo_update)
+    budget = algo.replace(max_turn=MAX_TURN, response_length=3)
+    assert int(np.asarray(traj.loss_mask).sum(1).max()) <= MAX_TURN * 3 < T
+    assert UP.head_positions(budget, traj.loss_mask).shape == (GROUPS * GROUP_SIZE, 9)
+    assert UP.head_positions(algo, traj.loss_mask) is None  # no budget: the head everywhere
+    part = UP.make_update(budget, CFG, CRITIC if algo.uses_critic else None,
+                          compiler_options=FAST)
+    results = []
+    for update in (full, part):
+        state = UP.init_train_state(algo, copy(actor0), copy(critic0) if algo.uses_critic
+                                    else None)
+        state = state.replace(step=jnp.ones((), jnp.int32))  # past a critic warm-up
+        results.append(update(state, traj, jax.random.key(3)))
+    (full_state, full_m), (part_state, part_m) = results
+    assert set(full_m) == set(part_m)
+    for name in full_m:
+        assert float(part_m[name]) == pytest.approx(float(full_m[name]), rel=1e-4, abs=1e-6), name
+    assert_trees_close(part_state.actor_params, full_state.actor_params, rtol=1e-4, atol=1e-6)
+
+
 def test_lr_schedule_warmup_then_cosine_decay():
     """Hand-derived: warm-up (count + 1) / 4 of lr, then lr * (r + (1 - r) (1 + cos(pi t)) / 2)
     with t = (count - 4) / 8, flat at r * lr afterwards; no decay = constant after warm-up."""
