@@ -716,8 +716,8 @@ def _model_policy(smp: sampler_lib.Sampler, params, temperature, stop_table) -> 
 
     def prefill(ps, chunk, valid, sizes):
         # each env's prefix runs through the model once, on one row, and its keys and values
-        # are copied to the env's rows: every row's are the same (FrozenLake's 156 tokens for
-        # the cpu config's 32 rows: its rollout 20.3 -> 17.9 s on a 2-core CPU)
+        # are copied to the env's rows: every row's are the same (a batch of 64 Bandit rows
+        # prefilled 180 tokens in 8.8 s on a 2-core CPU, one row in 0.24 s)
         first = np.cumsum((0,) + tuple(sizes[:-1]))
         one = append_without_reply(prefill_cfg, params,
                                    sampler_lib.take_rows(ps.inner, first), chunk, valid)
