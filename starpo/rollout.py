@@ -118,9 +118,8 @@ class Policy(NamedTuple):
     """What plays the replies of the episode loop, over a policy state that has
     tokens/logprobs/generated [B,S] and `end` [B]."""
 
-    # (state, chunk [E,P], valid [E,P], sizes) -> state: append each env variant's fixed
-    # prompt prefix (one row per env, left-aligned in the chunk) to every one of its rows
-    # (sizes: the rows of each env, in order; a static tuple) without replying
+    # (state, chunk [B,P], valid [B,P]) -> state: append each row's fixed prompt prefix
+    # (left-aligned in the chunk) without replying
     prefill: Callable
     # (state, chunk, valid, key, active [B], k) -> (state, Turn): append turn k's observation
     # and reply (rows not active are untouched)
@@ -219,19 +218,16 @@ def _prefixes(setup: _Setup) -> list[np.ndarray]:
             for t in setup.tables]
 
 
-def _prefix(setup: _Setup):
-    """Each env's system prompt and env prefix, one row per env, left-aligned and padded to the
-    longest env's: (tokens [E,P], valid [E,P], each env's prefix length)."""
+def _prefix(setup: _Setup, sizes):
+    """The system prompt and the env prefix of every row, left-aligned and padded to the
+    longest env's: (tokens [B,P], valid [B,P], each env's prefix length)."""
     prefixes = _prefixes(setup)
     P = max(len(p) for p in prefixes)
-    prefix = jnp.asarray(np.stack([np.pad(p, (0, P - len(p))) for p in prefixes]), jnp.int32)
-    prefix_valid = jnp.asarray(np.stack([np.arange(P) < len(p) for p in prefixes]))
+    prefix = jnp.concatenate([jnp.broadcast_to(jnp.asarray(np.pad(p, (0, P - len(p))), jnp.int32),
+                                               (n, P)) for p, n in zip(prefixes, sizes)])
+    prefix_valid = jnp.concatenate([jnp.broadcast_to(jnp.arange(P) < len(p), (n, P))
+                                    for p, n in zip(prefixes, sizes)])
     return prefix, prefix_valid, [len(p) for p in prefixes]
-
-
-def env_rows(sizes) -> np.ndarray:
-    """int32[B]: the env (0..E-1) of each row of a batch of `sizes` rows per env, in order."""
-    return np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
 
 
 def _chunk_width(setup: _Setup, prefix_lengths) -> int:
@@ -474,9 +470,8 @@ def _play_episodes(setup: _Setup, policy: Policy, pstate, env_states, group_id, 
     b = _Batch(setup, sizes, *dialogue.stack_pieces(setup.tables))
     # The system prompt and the env prefix are the same in every row of an env and in every
     # episode: they are appended once, without a reply (left-aligned, padded to the longest
-    # env's), and computed once per env (the policy copies them to the env's rows). Every
-    # turn's observation then has one width C, the widest env's.
-    prefix, prefix_valid, prefix_lengths = _prefix(setup)
+    # env's). Every turn's observation then has one width C, the widest env's.
+    prefix, prefix_valid, prefix_lengths = _prefix(setup, sizes)
     first_ids = _first_ids(b, env_states)
     C = _chunk_width(setup, prefix_lengths)
 
@@ -492,7 +487,7 @@ def _play_episodes(setup: _Setup, policy: Policy, pstate, env_states, group_id, 
     # The barrier keeps XLA from constant-folding the prefix's forward pass (constant tokens
     # into an all-zero cache: minutes of compile time for nothing).
     pstate, prefix, prefix_valid = jax.lax.optimization_barrier((pstate, prefix, prefix_valid))
-    c = _initial_carry(policy.prefill(pstate, prefix, prefix_valid, sizes), env_states, B, M)
+    c = _initial_carry(policy.prefill(pstate, prefix, prefix_valid), env_states, B, M)
     c, _ = jax.lax.fori_loop(0, M, body, (c, key))
     traj, metrics = _results(b, c, group_id)
     return traj, metrics, c.env
@@ -714,14 +709,8 @@ def _model_policy(smp: sampler_lib.Sampler, params, temperature, stop_table) -> 
                                         turn=turn_k)
         return _SamplerView(st), turn
 
-    def prefill(ps, chunk, valid, sizes):
-        # each env's prefix runs through the model once, on one row, and its keys and values
-        # are copied to the env's rows: every row's are the same (a batch of 64 Bandit rows
-        # prefilled 180 tokens in 8.8 s on a 2-core CPU, one row in 0.24 s)
-        first = np.cumsum((0,) + tuple(sizes[:-1]))
-        one = append_without_reply(prefill_cfg, params,
-                                   sampler_lib.take_rows(ps.inner, first), chunk, valid)
-        return _SamplerView(sampler_lib.take_rows(one, env_rows(sizes)))
+    def prefill(ps, chunk, valid):
+        return _SamplerView(append_without_reply(prefill_cfg, params, ps.inner, chunk, valid))
 
     return Policy(prefill, turn)
 

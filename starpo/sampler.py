@@ -85,24 +85,6 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, cache_dtype=None,
         tokens=rows(jnp.int32), logprobs=rows(jnp.float32), generated=rows(bool))
 
 
-def take_rows(state: SamplerState, rows) -> SamplerState:
-    """The state of rows `rows` (int[R], NumPy or traced) of `state`, in that order (a row may
-    repeat): its cache slots, bookkeeping and tokens, placed as `init_state` places them."""
-    rows = jnp.asarray(rows)
-    c = state.cache
-    kv_axes = ("batch", "kv_heads", "length", "head_dim")
-    if model_lib.is_split(c.k):
-        k, v = (tuple(constrain(x[rows], kv_axes) for x in t) for t in (c.k, c.v))
-    else:
-        k, v = (constrain(t[:, rows], ("layers",) + kv_axes) for t in (c.k, c.v))
-    slots = lambda x: None if x is None else constrain(x[rows], ("batch", "length"))  # noqa: E731
-    cache = c.replace(k=k, v=v, valid=slots(c.valid), turn=slots(c.turn),
-                      end=constrain(c.end[rows], ("batch",)),
-                      pos=constrain(c.pos[rows], ("batch",)))
-    return SamplerState(cache=cache, tokens=slots(state.tokens), logprobs=slots(state.logprobs),
-                        generated=slots(state.generated))
-
-
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
     """Set logits outside the top-k and outside the top-p nucleus to -inf. logits [B,V] f32.
 

@@ -94,11 +94,9 @@ def empty_state(batch: int, max_context: int) -> ScriptState:
                        jnp.zeros((batch, max_context), bool), jnp.zeros((batch,), jnp.int32))
 
 
-def prefill(state: ScriptState, chunk, valid, sizes) -> ScriptState:
-    """Append each env's prompt prefix chunk [E,P] (valid [E,P], left-aligned) to the empty
-    state of its `sizes[e]` rows, without a reply."""
-    rows = np.repeat(np.arange(len(sizes)), sizes)
-    chunk, valid = chunk[rows], valid[rows]
+def prefill(state: ScriptState, chunk, valid) -> ScriptState:
+    """Append each row's prompt prefix chunk [B,P] (valid [B,P], left-aligned) to an empty
+    state, without a reply."""
     # a shorter prefix's padding lies past its row's end: later writes replace it
     tokens = jax.lax.dynamic_update_slice(state.tokens, chunk, (0, 0))
     return state.replace(tokens=tokens, end=state.end + jnp.sum(valid, axis=1))

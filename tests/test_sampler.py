@@ -265,28 +265,3 @@ def test_stop_strings_in_the_loop(tiny_tokenizer):
             assert not any(x in text for x in stops), (reason, text)
     assert (np.asarray(turn.stop_reason) == S.STOP_STRING).sum() >= 5
     assert spanning >= 3
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_a_shared_prefix_prefilled_once_equals_every_row_prefilled(tiny, split):
-    """The rollout's model policy appends each env's prompt prefix once, on one row, and copies
-    its cache to the env's rows (`sampler.take_rows`): the state equals appending every row's
-    prefix to every row (two envs with prefixes of 4 and 6 tokens, 2 and 3 rows)."""
-    from starpo import rollout as R
-
-    cfg, params = tiny
-    chunk, valid = padded([[7, 8, 9, 10], [11, 12, 13, 14, 15, 16]], 6)
-    sizes = (2, 3)
-    rows = np.array([0, 0, 1, 1, 1])
-    empty = S.init_state(cfg, 5, CTX, split=split)
-    policy = R._model_policy(S.make_sampler(cfg, FakeTok, max_new_tokens=4), params, 1.0, None)
-    got = jax.jit(lambda s, c, v: policy.prefill(R._SamplerView(s), c, v, sizes).inner)(
-        empty, chunk, valid)
-    want = jax.jit(lambda s, c, v: R.append_without_reply(cfg, params, s, c, v))(
-        empty, chunk[rows], valid[rows])
-    assert int(got.cache.end[4]) == 6 and int(got.cache.end[0]) == 4
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                                   rtol=1e-5, atol=1e-6)
-    assert float(jnp.abs(jnp.asarray(jax.tree_util.tree_leaves(got.cache.k)[0])).sum()) > 0
