@@ -497,10 +497,10 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         positions = head_positions(algo, traj.loss_mask & valid)
 
         def logp_of(params):
-            fn = lambda t, v, p, *turns: token_logprobs(  # noqa: E731
+            fn = lambda p, t, v, *turns: token_logprobs(  # noqa: E731
                 params, actor_cfg, t, v, algo.logit_chunk_size, algo.temperature,
                 turn_window(algo, *turns), p)[0]
-            return _micro_map(fn, micro, rows[0], rows[1], positions, *rows[2:])
+            return _micro_map(fn, micro, positions, *rows)
 
         old_logp = logp_of(state.actor_params)
         ref_logp = logp_of(ref_params) if algo.uses_reference else None
