@@ -146,7 +146,7 @@ def build(run: run_config.RunSpec, policy: weights.LoadedModel | None = None) ->
     for tag in run.val.tags:
         venv = run.envs[tag]
         # a validation chunk of the training env and size plays on the training's program
-        same = venv == train_env and v.chunk == run.batch.chunk
+        same = _plays_on_training_program(run, tag)
         val_sets[tag] = evaluate.make_eval_set(
             tag, venv, policy.tokenizer, policy.cfg, env_groups=v.env_groups,
             group_size=v.group_size, spec=run.rollout, compiler_options=options,
@@ -157,6 +157,13 @@ def build(run: run_config.RunSpec, policy: weights.LoadedModel | None = None) ->
                       init_state, run_chunk)
 
 
+def _plays_on_training_program(run: run_config.RunSpec, tag: str) -> bool:
+    """Validation set `tag` is played by the training batch's compiled rollout: the same env
+    (a one-env batch) and the same rows at once."""
+    return (len(run.mix) == 1 and run.envs[tag] == run.envs[run.mix[0][0]]
+            and run.val.batch.chunk == run.batch.chunk)
+
+
 def _training_rollout(run: run_config.RunSpec, policy, mesh, options):
     """The training batch's rollout, played `rollout.batch_size` episodes at a time:
     (the env of a one-env batch or None, Rollout of one chunk, jitted (key, seed) -> the
@@ -164,6 +171,12 @@ def _training_rollout(run: run_config.RunSpec, policy, mesh, options):
     temperature) -> the batch's (Trajectory, metrics))."""
     r, spec, mix = run.batch, run.rollout, run.mix
     B, chunk = r.episodes, r.chunk
+    # A single-turn group's rows share one prompt (`Rollout.share`), unless a validation set
+    # of groups too small for it plays on this program (one compile serves both: what a tiny
+    # model's run gains more from)
+    share_groups = not any(_plays_on_training_program(run, tag)
+                           and run.val.batch.group_size % r.group_size
+                           for tag in run.val.tags)
     # Levels are generated and episodes played where their rows live: every [B,...] output
     # (env states, trajectory, per-episode metrics) is split over the mesh's batch axes, and
     # nothing is fed from the host but seeds and keys.
@@ -172,7 +185,8 @@ def _training_rollout(run: run_config.RunSpec, policy, mesh, options):
     if len(mix) == 1:
         train_env = train_envs[0][0]
         ro = rollout_lib.make_rollout(train_env, policy.tokenizer, policy.cfg, spec,
-                                      env_groups=chunk // r.group_size, group_size=r.group_size)
+                                      env_groups=chunk // r.group_size, group_size=r.group_size,
+                                      share_groups=share_groups)
         initial_states = jax.jit(
             lambda key, seed: rollout_lib.initial_states(train_env, key, seed, rollout_lib.TRAIN,
                                                          r.env_groups, r.group_size),
@@ -180,7 +194,7 @@ def _training_rollout(run: run_config.RunSpec, policy, mesh, options):
     else:  # played at once (config_check): no validation set shares a mixed batch's program
         train_env = None
         ro = rollout_lib.make_mixed_rollout(train_envs, policy.tokenizer, policy.cfg, spec,
-                                            group_size=r.group_size)
+                                            group_size=r.group_size, share_groups=share_groups)
         env_rows = tuple(sharding.batch_sharding(mesh, g * r.group_size) for _, g in mix)
         initial_states = jax.jit(
             lambda key, seed: rollout_lib.mixed_initial_states(train_envs, key, seed,

@@ -242,7 +242,9 @@ def plan_phases(exp, sft: bool = False) -> list:
                          contexts=(exp.rollout.context, max(
                              [vs.rollout.context for vs in exp.val_sets.values()] or [0])),
                          attention=model_lib.kernels(exp.policy.cfg.replace(
-                             dtype=dtypes["update"])), workspace=memory.matmul_workspace())
+                             dtype=dtypes["update"])), workspace=memory.matmul_workspace(),
+                         shares=(exp.rollout.share, min(
+                             [vs.rollout.share for vs in exp.val_sets.values()] or [1])))
     return memory.sft_phases(phases) if sft else phases
 
 

@@ -121,15 +121,20 @@ def cache_copies(windows: int, version: str | None = None) -> float:
 
 
 def episode_parts(cfg: ModelConfig, rows: float, slots: int, *, decode_dtype: str,
-                  windows: int, prompt_tokens: int, model_shards: int) -> tuple:
-    """(what, bytes) of playing `rows` episodes (per device) with a cache of `slots` slots."""
+                  windows: int, prompt_tokens: int, model_shards: int, share: int = 1) -> tuple:
+    """(what, bytes) of playing `rows` episodes (per device) with a cache of `slots` slots.
+    share: rows per group whose first prompt is appended once (`Rollout.share`): the prefill
+    runs on rows / share rows, whose cache is then copied to every row."""
     L, K, E = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     kv = 2 * L * rows * K * slots * E * _bytes(decode_dtype)
     copies = cache_copies(windows)
+    shared = (("KV cache of one row per group (a shared first prompt)", kv / share),) if (
+        share > 1) else ()
     return (
         ("KV cache (held ~%.1fx in the loop)" % copies, copies * kv),
+        *shared,
         ("weights cast for decoding", cfg.num_params * _bytes(decode_dtype) / model_shards),
-        *prefill_parts(cfg, rows, slots, prompt_tokens, dtype=decode_dtype, split=True),
+        *prefill_parts(cfg, rows / share, slots, prompt_tokens, dtype=decode_dtype, split=True),
         ("slot rows and trajectory", rows * slots * 30),
     )
 
@@ -195,13 +200,15 @@ def matmul_workspace(device=None) -> float:
 def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
          prompt_tokens: int = 256, decode_dtype: str = "float32", update_dtype: str = "float32",
          contexts: tuple[int, int] | None = None, attention: str = "cpu",
-         workspace: float = 0.0) -> list[Phase]:
+         workspace: float = 0.0, shares: tuple[int, int] = (1, 1)) -> list[Phase]:
     """The phases of a run on a (data, fsdp, tensor) mesh, per device. `prompt_tokens`: the
     first turn's prompt length (known once the tokenizer is; 256 is a typical upper value);
     `contexts`: the cache slots of the training and the validation rollouts (what an episode
     can reach, `Rollout.context`; None: rollout.max_context for both, an upper bound);
     `attention`: the update's attention kernels (`model.kernels`; "cudnn" keeps no scores);
-    `workspace`: the backend's matmul workspace in every program (`matmul_workspace`). Under
+    `workspace`: the backend's matmul workspace in every program (`matmul_workspace`);
+    `shares`: the training and the validation rollouts' `Rollout.share` (1: every row
+    appends its own first prompt, an upper bound). Under
     `trainer.offload_state` the sampling phases leave out the state's `OFFLOADED` parts."""
     data, fsdp, tensor = mesh_shape
     batch_shards, model_shards = data * fsdp, fsdp * tensor
@@ -225,11 +232,13 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     windows = ("rollout.decode_windows",) if run.rollout.decode_windows > 1 else ()
     return [
         Phase("rollout",
-              sampling + episode_parts(cfg, train_rows / batch_shards, S, **episodes),
+              sampling + episode_parts(cfg, train_rows / batch_shards, S, share=shares[0],
+                                       **episodes),
               ("rollout.batch_size", "rollout.max_context", "mesh.fsdp") + windows
               + (() if offload else ("trainer.offload_state",))),
         Phase("validation",
-              sampling + episode_parts(cfg, val_rows / batch_shards, S_val, **episodes),
+              sampling + episode_parts(cfg, val_rows / batch_shards, S_val, share=shares[1],
+                                       **episodes),
               ("val.batch_size", "val.env_groups", "rollout.max_context", "mesh.fsdp")
               + windows + (() if offload else ("trainer.offload_state",))),
         Phase("update", state + update_parts(

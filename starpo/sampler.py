@@ -85,6 +85,24 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, cache_dtype=None,
         tokens=rows(jnp.int32), logprobs=rows(jnp.float32), generated=rows(bool))
 
 
+def take_rows(state: SamplerState, rows) -> SamplerState:
+    """The state of rows `rows` (int[R], NumPy or traced) of `state`, in that order (a row may
+    repeat): its cache slots, bookkeeping and tokens, placed as `init_state` places them."""
+    rows = jnp.asarray(rows)
+    c = state.cache
+    kv_axes = ("batch", "kv_heads", "length", "head_dim")
+    if model_lib.is_split(c.k):
+        k, v = (tuple(constrain(x[rows], kv_axes) for x in t) for t in (c.k, c.v))
+    else:
+        k, v = (constrain(t[:, rows], ("layers",) + kv_axes) for t in (c.k, c.v))
+    slots = lambda x: None if x is None else constrain(x[rows], ("batch", "length"))  # noqa: E731
+    cache = c.replace(k=k, v=v, valid=slots(c.valid), turn=slots(c.turn),
+                      end=constrain(c.end[rows], ("batch",)),
+                      pos=constrain(c.pos[rows], ("batch",)))
+    return SamplerState(cache=cache, tokens=slots(state.tokens), logprobs=slots(state.logprobs),
+                        generated=slots(state.generated))
+
+
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
     """Set logits outside the top-k and outside the top-p nucleus to -inf. logits [B,V] f32.
 
@@ -306,15 +324,22 @@ class _Plan(NamedTuple):
     turn: jax.Array  # int32 []: the dialogue turn (context window)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames="fresh", donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("fresh", "share"),
+                   donate_argnums=2)
 def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, temperature,
-             active, token_bytes, fresh: bool = False, turn=0):
+             active, token_bytes, fresh: bool = False, turn=0, share: int = 1):
     """The jitted program behind `Sampler.turn` (exposed for ahead-of-time `.lower()`).
     fresh=True: `state` is empty (`Sampler.generate`); see `append`. turn: int32 [], the
-    dialogue turn of this call's chunk and reply (read under a context window only)."""
+    dialogue turn of this call's chunk and reply (read under a context window only).
+    share > 1: the caller promises that the rows come in blocks of `share` consecutive rows
+    with the same state, chunk and `active` (a group's first turn: its episodes start from
+    one level); the chunk then runs through the model once per block and its keys, values and
+    last logits are copied to the block's rows, which sample their replies apart."""
     cfg, N = s.cfg, s.max_new_tokens
-    C = chunk.shape[1]
+    B, C = chunk.shape
     S = state.cache.max_len
+    if share < 1 or B % share:
+        raise ValueError(f"share {share} does not divide the batch's {B} rows")
     # Cast the weights once per call rather than on every decode step (no-ops when equal).
     pre_cfg = cfg.replace(dtype=s.prefill_dtype or cfg.dtype)
     pre_params = jax.tree_util.tree_map(lambda p: p.astype(pre_cfg.dtype), params)
@@ -343,7 +368,7 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
 
     def turn_in(W):
         return lambda _: _turn_in_window(s, W, pre_cfg, pre_params, split_params, state, plan,
-                                         temperature, token_bytes, fresh, new_slots)
+                                         temperature, token_bytes, fresh, new_slots, share)
 
     if len(windows) == 1:
         c = turn_in(S)(None)
@@ -370,17 +395,16 @@ def run_turn(s: Sampler, params, state: SamplerState, chunk, chunk_valid, key, t
 
 def _turn_in_window(s: Sampler, W: int, pre_cfg, pre_params, split_params,
                     state: SamplerState, plan: _Plan, temperature, token_bytes,
-                    fresh: bool, new_slots: int = 0) -> _Decode:
+                    fresh: bool, new_slots: int = 0, share: int = 1) -> _Decode:
     """The turn on the first W cache slots: the chunk is appended there, attending over those
     slots only, then each layer's window is cut out for the decode loop and written back into
     the stacked buffers once at the end. Returns the final `_Decode` (whole cache), or with
     `new_slots` (per-layer buffers) its cache's k, v as the `new_slots` slots from each row's
-    old end on, [B,K,new_slots,E] a layer, for the caller to write."""
+    old end on, [B,K,new_slots,E] a layer, for the caller to write. share: see `run_turn`."""
     full = state.cache
     split = model_lib.is_split(full.k)  # per-layer buffers for good (`init_state(split=True)`)
     S, L = full.max_len, len(full.k) if split else full.k.shape[0]
     B, N = plan.chunk.shape[0], s.max_new_tokens
-    rows = jnp.arange(B)
 
     def cut(x):
         return tuple(b[:, :, :W] for b in x) if split else x[:, :, :, :W]
@@ -388,11 +412,20 @@ def _turn_in_window(s: Sampler, W: int, pre_cfg, pre_params, split_params,
     win = full if W == S else full.replace(
         k=cut(full.k), v=cut(full.v), valid=full.valid[:, :W],
         turn=None if full.turn is None else full.turn[:, :W])
-    hidden, appended = append(pre_params, pre_cfg, state.replace(cache=win), plan.chunk,
-                              plan.write, fresh,
-                              s.window(jnp.full(plan.chunk.shape, plan.turn, jnp.int32)))
-    last = jnp.maximum(plan.span - 1, 0)
-    logits = model_lib.head_logits(pre_params, pre_cfg, hidden[rows, last])  # [B,V]
+    # one row of each block of `share` appends; the others copy its state and logits
+    lead = np.arange(0, B, share)
+    pick = (lambda x: x) if share == 1 else (lambda x: x[lead])  # noqa: E731
+    st = state.replace(cache=win)
+    hidden, appended = append(pre_params, pre_cfg, st if share == 1 else take_rows(st, lead),
+                              pick(plan.chunk), pick(plan.write), fresh,
+                              s.window(jnp.full((B // share, plan.chunk.shape[1]), plan.turn,
+                                                jnp.int32)))
+    last = pick(jnp.maximum(plan.span - 1, 0))
+    logits = model_lib.head_logits(pre_params, pre_cfg,
+                                   hidden[jnp.arange(B // share), last])  # [B/share,V]
+    if share > 1:
+        back = np.repeat(np.arange(B // share), share)
+        logits, appended = logits[back], take_rows(appended, back)
     w = appended.cache
     tail_width = max([len(x) for x in s.stop] + [1]) + (token_bytes[0].shape[1] if s.stop else 0)
     init = _Decode(step=jnp.int32(0), key=plan.key, logits=logits, live=plan.live,

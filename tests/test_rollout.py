@@ -1,5 +1,7 @@
 """A full rollout of a tiny random model: one compiled program, no host transfer, one trace."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,29 @@ def test_context_overflow_ends_cleanly(setup):
     assert mt["truncated"].all()
     assert (mt["num_turns"] == 2).all() and (t.turn_end[:, 2] == -1).all()
     assert (t.length <= CONTEXT).all() and (mt["context_used"] == t.length).all()
+
+
+def test_single_turn_groups_share_their_prompt_and_play_as_without():
+    """The Bandit (one turn) in groups of 4: each group's prompt runs through the model once
+    (`Rollout.share`); the episodes equal those of every row appending its own prompt."""
+    m = weights.load_model("tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64")
+    spec = rollout.RolloutSpec(max_turn=1, max_new_tokens=6, max_context=640)
+    out = []
+    for share_groups in (True, False):
+        r = rollout.make_rollout(envs.make("Bandit"), m.tokenizer, m.cfg, spec, env_groups=3,
+                                 group_size=4, share_groups=share_groups)
+        assert r.share == (4 if share_groups else 1)
+        out.append(jax.device_get(r.run(m.params, jax.random.key(1), jnp.int32(0),
+                                        jnp.float32(1.0), jnp.int32(rollout.TRAIN))))
+    tokens = out[0][0].tokens
+    assert len({tuple(t) for t in tokens[:4]}) > 1  # a group's rows sample apart
+    for shared, each in zip(*(jax.tree_util.tree_leaves(o) for o in out)):
+        if each.dtype.kind == "f":
+            np.testing.assert_allclose(shared, each, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(shared, each)
+    # a multi-turn rollout's later turns differ per row: nothing is shared there
+    multi = rollout.make_rollout(envs.make("Bandit"), m.tokenizer, m.cfg,
+                                 dataclasses.replace(spec, max_turn=2), env_groups=3,
+                                 group_size=4)
+    assert multi.share == 1

@@ -172,6 +172,43 @@ def test_decode_windows_change_nothing_but_the_work(tiny):
                 np.testing.assert_array_equal(windowed, whole)
 
 
+@pytest.mark.parametrize("windows,split,context_window", [(1, True, 0), (2, False, 1)],
+                         ids=["buffers", "windows-stacked-context"])
+def test_a_shared_first_turn_equals_every_row_appending(tiny, windows, split, context_window):
+    """Blocks of 3 rows with one state and chunk (a group's first turn): `share=3` appends
+    once per block and copies the keys and values, the rows then sampling apart. The same
+    replies, log-probs and state as every row appending its own copy; then a second turn
+    (every row's own chunk) from both states agrees too."""
+    cfg, params = tiny
+    rng = np.random.default_rng(4)
+    smp = S.make_sampler(cfg, FakeTok, max_new_tokens=6, decode_windows=windows,
+                         context_window=context_window)
+    blocks = [rng.integers(6, cfg.vocab_size, n) for n in (5, 3)]
+    chunk = padded([blocks[0]] * 3 + [blocks[1]] * 3, 5)
+    later = padded([rng.integers(6, cfg.vocab_size, n) for n in (1, 2, 3, 2, 1, 2)], 3)
+    out = []
+    for share in (1, 3):
+        state = S.init_state(cfg, 6, 128, turns=context_window > 0, split=split)
+        # (a hot temperature: this random model's replies are nearly deterministic at 1)
+        state, t1 = S.run_turn(smp, params, state, *chunk, jax.random.key(3), jnp.float32(30.0),
+                               jnp.ones((6,), bool), None, turn=0, share=share)
+        state, t2 = S.run_turn(smp, params, state, *later, jax.random.key(4), jnp.float32(30.0),
+                               jnp.ones((6,), bool), None, turn=1)
+        if split:
+            state = state.replace(cache=M.stack_cache(state.cache))
+        out.append(jax.tree_util.tree_map(np.asarray, (state, t1, t2)))
+    # the rows of a block sampled apart, and a block's rows carry its own prompt
+    assert len({tuple(r) for r in out[0][1].tokens[:3]}) > 1
+    for each, shared in zip(*(jax.tree_util.tree_leaves(o) for o in out)):
+        if each.dtype.kind == "f":
+            np.testing.assert_allclose(shared, each, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(shared, each)
+    with pytest.raises(ValueError, match="does not divide"):
+        S.run_turn(smp, params, S.init_state(cfg, 6, 128), *chunk, jax.random.key(3),
+                   jnp.float32(1.0), jnp.ones((6,), bool), None, share=4)
+
+
 def test_second_call_does_not_retrace(tiny):
     cfg, params = tiny
     smp = S.make_sampler(cfg, FakeTok, max_new_tokens=3)
