@@ -763,7 +763,7 @@ class Block(nn.Module):
 
 
 def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
-                  window: TurnWindow | None = None, split: bool = False):
+                  window: TurnWindow | None = None, split: bool = False, positions=None):
     """The geometry of a chunk (valid [B,T] bool), as every layer gets it: (shared, kv, write_at).
 
     shared = (positions, chunk_mask, cache_valid, window[, write]) goes to each `Block` alike
@@ -771,10 +771,14 @@ def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
     [B,T,T] over valid keys, the cache slots seen. kv = the cache's (k, v) the layers read
     (stacked, or per-layer tuples when `split`), None without a cache or when `fresh`.
     write_at = (rows, slots) [B,T] where the chunk's tokens go in the cache (padding out of
-    range: dropped), None without one."""
+    range: dropped), None without one. positions: the rotary positions [B,T] given (no cache)."""
     B, T = valid.shape
     t = jnp.arange(T, dtype=jnp.int32)
     chunk_mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
+    if positions is not None:
+        if cache is not None:
+            raise ValueError("rotary positions are given only to a forward without a cache")
+        return (positions.astype(jnp.int32), chunk_mask, None, window), None, None
     positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)  # real before
     if cache is None:
         return (positions, chunk_mask, None, window), None, None
@@ -967,7 +971,7 @@ def forward(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = Non
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None = None,
-                  fresh: bool = False, window: TurnWindow | None = None):
+                  fresh: bool = False, window: TurnWindow | None = None, positions=None):
     """tokens [B,T] int, valid [B,T] bool -> (final-norm hidden states [B,T,D], new cache or
     None); the heads are applied separately (`head_logits`, `head_values`). The one forward:
     the training forward, a cache append and a decode step all run here.
@@ -987,6 +991,10 @@ def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None
     window: a `TurnWindow` (the chunk's turns) or None (everything causal is seen). With a
     cache its slots' turns are read from and written into `cache.turn`.
 
+    positions: int [B,T], each token's rotary position, for a forward without a cache whose
+    rows are not one sequence each (`update.packed_hidden`: a group's shared prompt and its
+    replies, each reply placed after the prompt); default: the valid tokens before it.
+
     Stacked params and cache ([L,...]) run as one scan over the layers, so any depth compiles
     like one layer; with `split_layers` params or a `split_cache` cache the layers run as a
     loop over per-layer buffers (see "split buffers" below). The numbers are the same.
@@ -997,7 +1005,7 @@ def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None
     if split:
         params = split_layers(params)
         cache = None if cache is None else split_cache(cache)
-    shared, kv, write_at = _layer_inputs(valid, cache, fresh, window, split)
+    shared, kv, write_at = _layer_inputs(valid, cache, fresh, window, split, positions)
     heads = {"params": _heads_only(params)}
     model = Transformer(cfg)
     x = model.apply(heads, tokens, method=Transformer.embed_tokens)

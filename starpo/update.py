@@ -247,10 +247,10 @@ def _shift_right(x: jax.Array) -> jax.Array:
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
-                   temperature: float = 1.0, window=None, positions=None):
+                   temperature: float = 1.0, window=None, positions=None, share: int = 1):
     """Log-prob and entropy f32[B,T] of each token under the model's distribution at
     `temperature` (the one the sampler drew from), aligned with the token; window: the
-    rollout's `model.TurnWindow` over the rows, or None; positions: only there (`per_token`).
+    rollout's `model.TurnWindow` over the rows, or None; positions, share: see `per_token`.
 
     With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
     rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
@@ -260,11 +260,11 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
             logits = logits / temperature
         return losses.logprobs_and_entropy(logits, y)
 
-    return per_token(params, cfg, tokens, valid, head, chunk, window, positions)
+    return per_token(params, cfg, tokens, valid, head, chunk, window, positions, share)
 
 
 def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, window=None,
-              positions=None):
+              positions=None, share: int = 1):
     """fn(logits [B,n,V], targets int[B,n]) -> a tuple of [B,n] arrays, run on the logits
     that predict each token and aligned with the token (position 0: 0); with `chunk` > 0,
     over `chunk` positions at a time, rematerialised in the backward pass.
@@ -272,13 +272,23 @@ def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, windo
     positions: int[B,K] (`reply_positions`): the head runs at those positions alone (a row's
     reply tokens; 0 = none) and every other position's output is 0 (False). The head (the
     vocabulary's logits and their softmax) is then paid for K positions a row, not T: with
-    SmolLM2's 49k vocabulary it is ~a fifth of a forward at every position."""
+    SmolLM2's 49k vocabulary it is ~a fifth of a forward at every position.
+
+    share > 1 (with positions; no window): the rows are single-turn episodes in groups of
+    `share` consecutive rows with one prompt, each row's reply contiguous right after it
+    (`Rollout.share`'s batches): the prompt runs once per group (`packed_hidden`)."""
     tokens = sharding.constrain(tokens, ("batch", "length"))
-    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
+    if share > 1:
+        if positions is None or window is not None:
+            raise ValueError("a shared prompt needs the reply positions and no context window")
+        h = packed_hidden(params, cfg, tokens, valid, positions, share)
+    else:
+        hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
     if positions is None:
         h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
     else:
-        h = jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)
+        if share == 1:
+            h = jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)
         targets = jnp.take_along_axis(tokens, positions, axis=1)
 
     def head(params, h, y):
@@ -302,6 +312,47 @@ def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, windo
     rows = jnp.arange(B)[:, None]
     at = jnp.where(positions > 0, positions, T)
     return tuple(jnp.zeros((B, T + 1), x.dtype).at[rows, at].set(x)[:, :T] for x in out)
+
+
+def packed_hidden(params, cfg: ModelConfig, tokens, valid, positions, share: int):
+    """The hidden states [B,K,D] that predict each row's reply tokens at `positions` [B,K]
+    (`reply_positions`), for single-turn rows in groups of `share` consecutive rows that hold
+    one prompt, each row's reply (at most K tokens) right after it. Each group is one packed
+    sequence: the prompt once, then its rows' replies in blocks of K slots, every reply token
+    at its own rotary position and, through a context window of one turn (`model.TurnWindow`:
+    the prompt is its prefix, reply i its turn i), seeing the prompt and its own reply alone:
+    the same numbers as each row's own forward (tests/test_update.py), for a group's prompt
+    plus G replies of tokens instead of G prompts and replies."""
+    B, T = tokens.shape
+    K, G = positions.shape[1], share
+    n = B // G
+    lead = jnp.arange(n) * G
+    # a group's prompt ends where its replies start (the same slot in every row with one)
+    start = jnp.max(positions[:, 0].reshape(n, G), axis=1)  # [n]; 0: no row replied
+    Tp = T + (G - 1) * K
+    s = jnp.arange(Tp)[None, :]
+    in_prompt = s < start[:, None]
+    block = jnp.clip((s - start[:, None]) // K, 0, G - 1)
+    src_row = jnp.where(in_prompt, lead[:, None], lead[:, None] + block)
+    src_slot = jnp.where(in_prompt, s, start[:, None] + (s - start[:, None]) % K)
+    inside = (s < start[:, None] + G * K) & (src_slot < T)
+    src_slot = jnp.minimum(src_slot, T - 1)
+    row_pos = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+    p_tokens = tokens[src_row, src_slot]
+    p_valid = valid[src_row, src_slot] & inside
+    p_pos = row_pos[src_row, src_slot]
+    turns = jnp.where(in_prompt, model_lib.PREFIX_TURN, block).astype(jnp.int32)
+    hidden, _ = model_lib.hidden_states(params, cfg, p_tokens, p_valid,
+                                        window=model_lib.TurnWindow(turns, 1),
+                                        positions=p_pos)  # [n,Tp,D]
+    # reply token j of row lead_g + i: predicted at the prompt's last slot (j = 0) or at the
+    # slot of its reply token j - 1 in block i
+    group = jnp.arange(B) // G
+    i = jnp.arange(B) % G
+    j = positions - start[group][:, None]  # [B,K]
+    at = jnp.where(j <= 0, start[group][:, None] - 1,
+                   start[group][:, None] + i[:, None] * K + j - 1)
+    return hidden[group[:, None], jnp.clip(at, 0, Tp - 1)]
 
 
 def reply_count(loss_mask) -> int:

@@ -384,6 +384,53 @@ def test_logprobs_at_reply_positions_equal_the_full_heads(params, traj, chunk):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
 
 
+def single_turn_groups(seed: int, groups: int = 3, size: int = 3, K: int = 4):
+    """(tokens, valid, loss_mask) of single-turn rows in groups of `size` sharing a prompt
+    (lengths differ by group), each reply of 1..K tokens right after it, then padding."""
+    rng = np.random.default_rng(seed)
+    B = groups * size
+    tokens = rng.integers(3, CFG.vocab_size, (B, T)).astype(np.int32)
+    valid, mask = np.zeros((B, T), bool), np.zeros((B, T), bool)
+    for g in range(groups):
+        p = int(rng.integers(4, T - K))
+        prompt = rng.integers(3, CFG.vocab_size, p)
+        for r in range(g * size, (g + 1) * size):
+            n = K if r == g * size + 1 else int(rng.integers(1, K + 1))
+            tokens[r, :p] = prompt
+            valid[r, :p + n], mask[r, p:p + n] = True, True
+    return jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_a_groups_shared_prompt_runs_once_with_the_same_logprobs_and_gradient(params, chunk):
+    """Single-turn rows in groups of 3 with one prompt (`share=3`, `packed_hidden`): the
+    prompt runs once per group, each reply after it in its own block; every reply token's
+    log-prob and entropy, and the gradient through them, equal each row's own forward."""
+    params = params[0]
+    tokens, valid, mask = single_turn_groups(1)
+    positions = UP.reply_positions(mask, 4)
+
+    def run(p, share):
+        return UP.token_logprobs(p, CFG, tokens, valid, chunk, 0.8, positions=positions,
+                                 share=share)
+
+    each, shared = (jax.jit(run, static_argnums=1)(params, s) for s in (1, 3))
+    for e, s in zip(each, shared):
+        np.testing.assert_allclose(np.asarray(s), np.asarray(e), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(each[0] * mask).sum()) > 0 and not bool((each[0] * ~mask).any())
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=mask.shape), jnp.float32)
+
+    def loss(p, share):
+        return jnp.sum(run(p, share)[0] * weights * mask)
+
+    want, got = (jax.jit(jax.grad(loss), static_argnums=1)(params, s) for s in (1, 3))
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        # (a group's rows' contributions to the prompt's weights are summed in another order)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="reply positions"):
+        UP.token_logprobs(params, CFG, tokens, valid, share=3)
+
+
 def test_update_contexts_reuse_a_compiled_context_until_its_padding_pays_for_a_compile():
     """Figures by hand: buckets of 128 in a 1024-token context, a compile priced at 1 update."""
     choose = UpdateContexts(128, patience=1.0)
