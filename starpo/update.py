@@ -362,6 +362,17 @@ def reply_count(loss_mask) -> int:
     return max(8, 1 << max(n - 1, 0).bit_length())
 
 
+def prompt_share(algo: AlgoConfig, context: int, micro: int) -> int:
+    """Rows per packed sequence (`packed_hidden`) of the old and reference log-probs: a group's
+    size where its rows are single-turn episodes of one prompt (in order, micro-batches of
+    whole groups, no context window, the head at the reply positions), else 1. The PPO loss
+    runs on mini-batches of shuffled rows, so each row there runs its own forward."""
+    G = algo.group_size
+    ok = (algo.max_turn == 1 and G > 1 and not algo.context_window and micro % G == 0
+          and 0 < algo.response_length < context)
+    return G if ok else 1
+
+
 def head_positions(algo: AlgoConfig, loss_mask):
     """`reply_positions` of an RL batch's rows (in a trace; T static), or None where the head
     runs everywhere: a row holds at most max_turn x response_length sampled tokens (the
@@ -546,11 +557,12 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         # each row's tokens with the turns a context window reads (None: no window)
         rows = (traj.tokens, valid) + ((traj.window_turns(),) if algo.context_window else ())
         positions = head_positions(algo, traj.loss_mask & valid)
+        share = prompt_share(algo, T, micro) if positions is not None else 1
 
         def logp_of(params):
             fn = lambda p, t, v, *turns: token_logprobs(  # noqa: E731
                 params, actor_cfg, t, v, algo.logit_chunk_size, algo.temperature,
-                turn_window(algo, *turns), p)[0]
+                turn_window(algo, *turns), p, share)[0]
             return _micro_map(fn, micro, positions, *rows)
 
         old_logp = logp_of(state.actor_params)

@@ -509,6 +509,48 @@ def test_update_with_the_head_at_reply_tokens_equals_the_full_one(params, traj, 
     assert_trees_close(part_state.actor_params, full_state.actor_params, rtol=1e-4, atol=1e-6)
 
 
+def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypatch):
+    """Single-turn episodes in groups of 3 (a group's rows share a prompt) through the GRPO
+    update, the filter keeping 2 of 3 groups: the old log-probs run each kept group's prompt
+    once (`prompt_share` = 3 for micro-batches of 3 and 6 rows, 1 for 2 or a second turn);
+    every metric and the new weights equal those of every row running its own forward."""
+    actor0 = params[0]
+    tokens, valid, mask = single_turn_groups(3)
+    B = tokens.shape[0]
+    last = np.asarray(jnp.max(jnp.where(mask, jnp.arange(T), -1), axis=1))
+    rng = np.random.default_rng(4)
+    traj = Trajectory(
+        tokens=tokens, loss_mask=mask, turn_index=jnp.where(valid, 0, -1).astype(jnp.int32),
+        sample_logprobs=jnp.where(mask, -jnp.asarray(rng.random((B, T)), jnp.float32), 0.0),
+        turn_end=jnp.asarray(last[:, None], jnp.int32),
+        turn_reward=jnp.asarray(rng.choice([0.0, 1.0, 0.25], (B, 1)), jnp.float32),
+        penalty=jnp.zeros(B, jnp.float32), success=jnp.asarray(rng.random(B) < 0.5),
+        num_actions=jnp.ones(B, jnp.int32),
+        group_id=jnp.asarray(np.repeat(np.arange(3), 3), jnp.int32),
+        tag=jnp.zeros(B, jnp.int32), length=jnp.sum(valid, axis=1).astype(jnp.int32))
+    check_trajectory(traj, 3)
+    algo = GRPO.replace(group_size=3, rollout_filter_ratio=0.67, ppo_mini_batch_size=6,
+                        micro_batch_size=3, max_turn=1, response_length=4)
+    assert [UP.prompt_share(algo.replace(micro_batch_size=m), T, m) for m in (3, 6, 2)] == [
+        3, 3, 1]
+    assert UP.prompt_share(algo.replace(max_turn=2), T, 3) == 1
+    results = []
+    for share in (True, False):
+        if not share:
+            monkeypatch.setattr(UP, "prompt_share", lambda *a: 1)
+        state = UP.init_train_state(algo, copy(actor0))
+        update = UP.make_update(algo, CFG, compiler_options=FAST)
+        results.append(update(state, traj, jax.random.key(3)))
+    (shared_state, shared_m), (each_state, each_m) = results
+    assert float(each_m["rollout/kept_groups"]) == 2
+    for name in each_m:
+        assert float(shared_m[name]) == pytest.approx(float(each_m[name]), rel=1e-4,
+                                                      abs=1e-5), name
+    # Adam divides each gradient by its own size: an element whose gradient is ~0 moves by
+    # float noise (up to 4e-5 here, against steps of lr = 1e-3)
+    assert_trees_close(shared_state.actor_params, each_state.actor_params, rtol=1e-4, atol=1e-4)
+
+
 def test_lr_schedule_warmup_then_cosine_decay():
     """Hand-derived: warm-up (count + 1) / 4 of lr, then lr * (r + (1 - r) (1 + cos(pi t)) / 2)
     with t = (count - 4) / 8, flat at r * lr afterwards; no decay = constant after warm-up."""
