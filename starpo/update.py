@@ -364,13 +364,21 @@ def reply_count(loss_mask) -> int:
 
 def prompt_share(algo: AlgoConfig, context: int, micro: int) -> int:
     """Rows per packed sequence (`packed_hidden`) of the old and reference log-probs: a group's
-    size where its rows are single-turn episodes of one prompt (in order, micro-batches of
-    whole groups, no context window, the head at the reply positions), else 1. The PPO loss
-    runs on mini-batches of shuffled rows, so each row there runs its own forward."""
-    G = algo.group_size
-    ok = (algo.max_turn == 1 and G > 1 and not algo.context_window and micro % G == 0
-          and 0 < algo.response_length < context)
+    size where its rows are single-turn episodes of one prompt (in order, no context window,
+    the head at the reply positions) and micro-batches of whole groups hold no more tokens
+    than those of `micro` rows (`share_micro`), else 1. The PPO loss runs on mini-batches of
+    shuffled rows, so each row there runs its own forward."""
+    G, K = algo.group_size, algo.response_length
+    ok = (algo.max_turn == 1 and G > 1 and not algo.context_window and 0 < K < context
+          and (micro % G == 0 or context + (G - 1) * K <= micro * context))
     return G if ok else 1
+
+
+def share_micro(micro: int, share: int, rows: int) -> int:
+    """Rows per micro-batch of packed groups of `share` rows, of a batch of `rows` rows: whole
+    groups, as many as fit in `micro` rows (at least one) and divide the batch's groups."""
+    groups = rows // share
+    return share * max(d for d in range(1, max(1, micro // share) + 1) if groups % d == 0)
 
 
 def head_positions(algo: AlgoConfig, loss_mask):
@@ -563,7 +571,7 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
             fn = lambda p, t, v, *turns: token_logprobs(  # noqa: E731
                 params, actor_cfg, t, v, algo.logit_chunk_size, algo.temperature,
                 turn_window(algo, *turns), p, share)[0]
-            return _micro_map(fn, micro, positions, *rows)
+            return _micro_map(fn, share_micro(micro, share, N), positions, *rows)
 
         old_logp = logp_of(state.actor_params)
         ref_logp = logp_of(ref_params) if algo.uses_reference else None

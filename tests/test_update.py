@@ -512,8 +512,9 @@ def test_update_with_the_head_at_reply_tokens_equals_the_full_one(params, traj, 
 def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypatch):
     """Single-turn episodes in groups of 3 (a group's rows share a prompt) through the GRPO
     update, the filter keeping 2 of 3 groups: the old log-probs run each kept group's prompt
-    once (`prompt_share` = 3 for micro-batches of 3 and 6 rows, 1 for 2 or a second turn);
-    every metric and the new weights equal those of every row running its own forward."""
+    once (`prompt_share` = 3 for micro-batches of 3, 6 and 2 rows: a packed group of 3 holds
+    20 + 2 x 4 tokens, 28 <= 2 x 20; 1 for micro-batches of 1 row or a second turn); every
+    metric and the new weights equal those of every row running its own forward."""
     actor0 = params[0]
     tokens, valid, mask = single_turn_groups(3)
     B = tokens.shape[0]
@@ -530,9 +531,10 @@ def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypa
         tag=jnp.zeros(B, jnp.int32), length=jnp.sum(valid, axis=1).astype(jnp.int32))
     check_trajectory(traj, 3)
     algo = GRPO.replace(group_size=3, rollout_filter_ratio=0.67, ppo_mini_batch_size=6,
-                        micro_batch_size=3, max_turn=1, response_length=4)
-    assert [UP.prompt_share(algo.replace(micro_batch_size=m), T, m) for m in (3, 6, 2)] == [
-        3, 3, 1]
+                        micro_batch_size=2, max_turn=1, response_length=4)
+    assert [UP.prompt_share(algo, T, m) for m in (3, 6, 2, 1)] == [3, 3, 3, 1]
+    assert [UP.share_micro(m, 3, 6) for m in (3, 6, 2)] == [3, 6, 3]
+    assert [UP.share_micro(m, 8, 40) for m in (20, 40, 4)] == [8, 40, 8]  # 5 groups
     assert UP.prompt_share(algo.replace(max_turn=2), T, 3) == 1
     results = []
     for share in (True, False):
