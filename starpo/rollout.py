@@ -641,9 +641,9 @@ def make_rollout(env, tokenizer, model_cfg, spec: RolloutSpec = RolloutSpec(), *
     Single-turn episodes (spec.max_turn 1) in groups of more than one: the group's rows share
     one level, so its prompt runs through the model once and its keys and values are copied to
     the group's rows (`Rollout.share` = group_size; the Bandit's cpu batch of 8 x 8: its
-    rollout 13.6 -> 7.3 s on a 2-core CPU). `run_from` then expects its rows in whole groups of consecutive rows
-    that start from the same env state, as `initial_states` lays them out; share_groups=False
-    lifts that (and the saving).
+    rollout 13.6 -> 7.3 s on a 2-core CPU). `run_from` then expects its rows in whole groups
+    of consecutive rows that start from the same env state, as `initial_states` lays them out;
+    share_groups=False lifts that (and the saving).
     """
     r = make_mixed_rollout(((env, env_groups),), tokenizer, model_cfg, spec,
                            group_size=group_size, tags=(tag,), compiler_options=compiler_options,
