@@ -104,19 +104,13 @@ def main(argv):
         rows, _ = filtering.filter_rows(traj.score, algo.group_size, algo.rollout_filter_ratio,
                                         algo.rollout_filter_type)
         kept = traj.take(rows) if rows.shape[0] < traj.tokens.shape[0] else traj
-        N, T = kept.tokens.shape
-        micro = UP._micro_size(algo, N)
+        micro = UP._micro_size(algo, kept.tokens.shape[0])
         # as the update's preparation runs them: the head at the reply tokens, a single-turn
         # group's prompt once
         positions = UP.head_positions(algo, kept.loss_mask & kept.valid)
-        share = UP.prompt_share(algo, T, micro) if positions is not None else 1
 
         def old_logprobs(params, tokens, valid, positions):
-            def fn(p, t, v):
-                return UP.token_logprobs(params, cfg, t, v, algo.logit_chunk_size,
-                                         algo.temperature, positions=p, share=share)[0]
-
-            return UP._micro_map(fn, UP.share_micro(micro, share, N), positions, tokens, valid)
+            return UP.batch_logprobs(algo, cfg, params, (tokens, valid), positions, micro)
 
         timed("old_logprobs", jax.jit(old_logprobs), state.actor_params, kept.tokens, kept.valid,
               positions)

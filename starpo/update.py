@@ -284,12 +284,10 @@ def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, windo
         h = packed_hidden(params, cfg, tokens, valid, positions, share)
     else:
         hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
-    if positions is None:
-        h, targets = hidden[:, :-1], tokens[:, 1:]  # logits at t-1 predict token t
-    else:
-        if share == 1:
-            h = jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)
-        targets = jnp.take_along_axis(tokens, positions, axis=1)
+        h = (hidden[:, :-1] if positions is None  # logits at t-1 predict token t
+             else jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1))
+    targets = (tokens[:, 1:] if positions is None
+               else jnp.take_along_axis(tokens, positions, axis=1))
 
     def head(params, h, y):
         return fn(model_lib.head_logits(params, cfg, h), y)
@@ -372,6 +370,19 @@ def prompt_share(algo: AlgoConfig, context: int, micro: int) -> int:
     ok = (algo.max_turn == 1 and G > 1 and not algo.context_window and 0 < K < context
           and (micro % G == 0 or context + (G - 1) * K <= micro * context))
     return G if ok else 1
+
+
+def batch_logprobs(algo: AlgoConfig, cfg: ModelConfig, params, rows, positions, micro: int):
+    """Log-probs [N,T] of a batch's rows = (tokens, valid[, window turns]) with the head at
+    `positions` (`head_positions`, or None), in micro-batches of `micro` rows, a single-turn
+    group's prompt packed once where `prompt_share` allows: the update's old and reference
+    log-probs (and what `benchmarks/train_step.py` times)."""
+    N, T = rows[0].shape
+    share = prompt_share(algo, T, micro) if positions is not None else 1
+    fn = lambda p, t, v, *turns: token_logprobs(  # noqa: E731
+        params, cfg, t, v, algo.logit_chunk_size, algo.temperature, turn_window(algo, *turns),
+        p, share)[0]
+    return _micro_map(fn, share_micro(micro, share, N), positions, *rows)
 
 
 def share_micro(micro: int, share: int, rows: int) -> int:
@@ -565,13 +576,9 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         # each row's tokens with the turns a context window reads (None: no window)
         rows = (traj.tokens, valid) + ((traj.window_turns(),) if algo.context_window else ())
         positions = head_positions(algo, traj.loss_mask & valid)
-        share = prompt_share(algo, T, micro) if positions is not None else 1
 
         def logp_of(params):
-            fn = lambda p, t, v, *turns: token_logprobs(  # noqa: E731
-                params, actor_cfg, t, v, algo.logit_chunk_size, algo.temperature,
-                turn_window(algo, *turns), p, share)[0]
-            return _micro_map(fn, share_micro(micro, share, N), positions, *rows)
+            return batch_logprobs(algo, actor_cfg, params, rows, positions, micro)
 
         old_logp = logp_of(state.actor_params)
         ref_logp = logp_of(ref_params) if algo.uses_reference else None
