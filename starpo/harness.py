@@ -54,7 +54,7 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "trainer.collapse_mi_multi_turn", "trainer.offload_state",
                      "sft.save_freq")
 # Keys added after runs were saved: a run saved without one had the default.
-ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
+ADDED_KEYS = {"env.mix": "", "algorithm.shuffle_mini_batches": True, "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
               "model.attention": "auto", "mesh.coordinator_address": "",
               "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,

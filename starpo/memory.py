@@ -36,6 +36,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from starpo import dialogue, filtering, lora, run_config
+from starpo import update as update_lib
 from starpo.model import CACHE_QUERY_BLOCK, ModelConfig
 
 GB = 1e9
@@ -143,39 +144,52 @@ def episode_parts(cfg: ModelConfig, rows: float, slots: int, *, decode_dtype: st
 
 def update_parts(model: run_config.ModelSpec, algo, cfg: ModelConfig, rows: float,
                  micro: float, context: int, *, update_dtype: str, model_shards: int,
-                 attention: str = "cpu") -> tuple:
+                 attention: str = "cpu", packed: tuple[float, int] | None = None) -> tuple:
     """(what, bytes) of the update's working memory beyond the state, per device: `rows` kept
     rows of `context` tokens in micro-batches of `micro` rows; `attention`: the kernels of
-    attention over a sequence (`model.kernels`: "cpu", "xla" or "cudnn")."""
+    attention over a sequence (`model.kernels`: "cpu", "xla" or "cudnn"); `packed`: (groups,
+    tokens) of the actor's micro-batch where the PPO loss packs a group's prompt once
+    (`update.static_loss_share`: groups of `packed` sequences, their rows' replies in them;
+    the critic's keeps `micro` rows)."""
     L, D, H, K, E, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
-    T, M, w = context, micro, _bytes(update_dtype)
+    w = _bytes(update_dtype)
     dense = (H * E + 2 * K * E + 2 * D + 3 * F) * w  # per token: q k v o gate up down outputs
     # LoRA, per token and adapted projection: x A (rank r) and its B output, both matmul
     # outputs (kept by "save_dense"); XLA fuses the sum with the base output into the B matmul
     outs = {"q": H * E, "k": K * E, "v": K * E, "o": D, "gate": F, "up": F, "down": D}
     adapted = [t for t in cfg.lora_targets if t in outs] if cfg.lora_rank else []
     dense += sum(cfg.lora_rank + outs[t] for t in adapted) * w
-    layer = (4 * D * 4 + dense + 2 * F * w) * M * T  # one layer's live activations
-    if attention == "cudnn":  # flash attention keeps one softmax statistic per query row
-        attention = M * H * T * 4
-    else:  # the CPU path keeps each block's probabilities; XLA's recomputes [M,H,T,T] scores
-        attention = M * H * T * T * 4
-    if not model.remat:
-        saved = L * (layer + attention)
-    elif model.remat_policy == "save_dense":
-        saved = L * M * T * (D * 4 + dense)
-    else:
-        saved = L * M * T * D * 4
+
+    def model_pass(M, T):  # (saved activations, one recomputed layer) of M sequences of T
+        layer = (4 * D * 4 + dense + 2 * F * w) * M * T  # one layer's live activations
+        if attention == "cudnn":  # flash attention keeps one softmax statistic per query row
+            scores = M * H * T * 4
+        else:  # the CPU path keeps each block's probabilities; XLA's recomputes [M,H,T,T]
+            scores = M * H * T * T * 4
+        if not model.remat:
+            saved = L * (layer + scores)
+        elif model.remat_policy == "save_dense":
+            saved = L * M * T * (D * 4 + dense)
+        else:
+            saved = L * M * T * D * 4
+        return saved, layer + scores
+
+    T, M = context, micro
+    saved, recomputed = model_pass(*(packed or (M, T)))
+    head_rows = packed[0] * algo.group_size if packed else M
+    if algo.uses_critic:  # the critic's pass, as large unless the actor's packs
+        critic_saved, critic_layer = model_pass(M, T)
+        saved, recomputed = saved + critic_saved, max(recomputed, critic_layer)
     chunk = min(algo.logit_chunk_size or T, T)
     critic = 2.0 if algo.uses_critic else 1.0
     trained = lora.num_adapter_params(cfg) if cfg.lora_rank else cfg.num_params
     grads = trained * 4 / model_shards * critic
     return (
         ("gradient accumulators", grads),
-        ("saved activations", saved * critic),
-        ("recomputed layer + attention", layer + attention),
-        ("log-prob head logits", 3 * M * chunk * V * 4),
+        ("saved activations", saved),
+        ("recomputed layer + attention", recomputed),
+        ("log-prob head logits", 3 * head_rows * chunk * V * 4),
         ("batch rows", rows * T * 40),
     )
 
@@ -230,6 +244,11 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     kept = filtering.static_groups(r.env_groups, algo.rollout_filter_ratio,
                                    algo.rollout_filter_strategy) * r.group_size
     micro = min(algo.micro_batch_size, kept)
+    share = update_lib.static_loss_share(algo, kept, r.env_groups, S)  # the PPO loss packing
+    packed = None
+    if share > 1:
+        groups = update_lib.share_micro(micro, share, min(algo.ppo_mini_batch_size, kept)) // share
+        packed = (max(groups / batch_shards, 1), S + (share - 1) * algo.response_length)
     # decode windows hold the cache twice (`cache_copies`): one window holds it once
     windows = ("rollout.decode_windows",) if run.rollout.decode_windows > 1 else ()
     return [
@@ -245,7 +264,8 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
               + windows + (() if offload else ("trainer.offload_state",))),
         Phase("update", state + update_parts(
             run.model, algo, cfg, kept / batch_shards, max(micro / batch_shards, 1), S,
-            update_dtype=update_dtype, model_shards=model_shards, attention=attention),
+            update_dtype=update_dtype, model_shards=model_shards, attention=attention,
+            packed=packed),
               ("algorithm.micro_batch_size", "algorithm.logit_chunk_size", "model.remat",
                "rollout.max_context", "mesh.fsdp")),
     ]

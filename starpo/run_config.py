@@ -164,6 +164,10 @@ class AlgoConfig:
     micro_batch_size: int = 4  # rows per forward/backward (gradient accumulation)
     ppo_epochs: int = 1
     online_k: int = 0  # optimizer updates per rollout batch; 0 = ppo_epochs * mini-batches
+    # mini-batches from a fresh random permutation of the rows each epoch (True), or the rows
+    # split in order as verl does (False): whole groups together, so a single-turn group's
+    # prompt runs once in the PPO loss too (`update.prompt_share`)
+    shuffle_mini_batches: bool = True
     # tokens per chunk of the log-prob head; 0 = the whole sequence. Float32 logits of 64
     # tokens at a time (recomputed in the backward pass) rather than of whole rows: Qwen2.5-0.5B
     # at 3584 tokens, micro-batches of 4, 0.5 GB instead of 26 GB

@@ -364,12 +364,34 @@ def prompt_share(algo: AlgoConfig, context: int, micro: int) -> int:
     """Rows per packed sequence (`packed_hidden`) of the old and reference log-probs: a group's
     size where its rows are single-turn episodes of one prompt (in order, no context window,
     the head at the reply positions) and micro-batches of whole groups hold no more tokens
-    than those of `micro` rows (`share_micro`), else 1. The PPO loss runs on mini-batches of
-    shuffled rows, so each row there runs its own forward."""
+    than those of `micro` rows (`share_micro`), else 1. The PPO loss packs them too where its
+    mini-batches hold whole groups (`loss_share`); of shuffled rows, each row runs its own
+    forward."""
     G, K = algo.group_size, algo.response_length
     ok = (algo.max_turn == 1 and G > 1 and not algo.context_window and 0 < K < context
           and (micro % G == 0 or context + (G - 1) * K <= micro * context))
     return G if ok else 1
+
+
+def loss_share(algo: AlgoConfig, batch: "Batch", groups: int) -> int:
+    """Rows per packed sequence in the PPO loss's forward (`prompt_share`) for a prepared
+    `batch` of a rollout of `groups` groups (`static_loss_share`; 1 where the head runs at
+    every position or a top-p mask keeps rows). Static."""
+    if batch.positions is None or batch.keep is not None:
+        return 1
+    return static_loss_share(algo, batch.tokens.shape[0], groups, batch.tokens.shape[1])
+
+
+def static_loss_share(algo: AlgoConfig, rows: int, groups: int, context: int) -> int:
+    """`prompt_share` of the PPO loss for `rows` kept rows of `context` tokens, of a rollout of
+    `groups` groups, where its mini-batches are those rows in order (`shuffle_mini_batches`
+    off; top-k filtering, nothing copied) and each holds whole groups; else 1."""
+    mini = min(algo.ppo_mini_batch_size, rows)
+    if (algo.shuffle_mini_batches or algo.rollout_filter_strategy == "top_p"
+            or adjusted_size(rows, groups, mini) != rows or mini % algo.group_size
+            or mini % min(algo.micro_batch_size, mini)):
+        return 1
+    return prompt_share(algo, context, min(algo.micro_batch_size, mini))
 
 
 def batch_logprobs(algo: AlgoConfig, cfg: ModelConfig, params, rows, positions, micro: int):
@@ -609,12 +631,13 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
 
 # ----------------------------------------------------------------------------- gradients
 def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_tokens,
-                num_seqs):
+                num_seqs, share: int = 1):
     """(loss, stats) of the clipped policy loss with the entropy bonus (and KL loss) on one
-    micro-batch; `num_tokens` / `num_seqs` count the whole mini-batch."""
+    micro-batch; `num_tokens` / `num_seqs` count the whole mini-batch; `share`: its rows'
+    groups packed once (`loss_share`)."""
     logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
                                    algo.logit_chunk_size, algo.temperature,
-                                   turn_window(algo, m.turns), m.positions)
+                                   turn_window(algo, m.turns), m.positions, share)
     pg, clipped, lower, log_ratio = losses.policy_loss_terms(
         logp, m.old_logprobs, m.advantages, algo.clip_ratio_low, algo.clip_ratio_high,
         algo.clip_ratio_c)
@@ -650,12 +673,14 @@ def _critic_loss(algo: AlgoConfig, critic_cfg: ModelConfig, params, m: Batch, nu
 
 
 def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfig | None = None):
-    """grads(actor_params, critic_params, mb: Batch) -> (actor_grads, critic_grads | None,
-    metrics) for one mini-batch (critic_params / critic_grads are None without a critic).
+    """grads(actor_params, critic_params, mb: Batch, share=1) -> (actor_grads, critic_grads |
+    None, metrics) for one mini-batch (critic_params / critic_grads are None without a critic).
 
     The mini-batch runs in micro-batches of `micro_batch_size` rows whose gradients are summed;
     loss denominators are counted over the whole mini-batch first, so the sum is exactly the
-    mini-batch gradient.
+    mini-batch gradient. share > 1 (`loss_share`): the actor's forward packs each group of
+    `share` rows' prompt once, in micro-batches of whole groups (`share_micro`); the critic's
+    keeps its micro-batches.
     """
     if algo.uses_critic and critic_cfg is None:
         raise ValueError(f"adv_estimator={algo.adv_estimator} needs critic_cfg")
@@ -676,23 +701,34 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         return (jax.tree_util.tree_map(jnp.zeros_like, lora.split(params)[0]),
                 {name: jnp.zeros((), jnp.float32) for name in names})
 
-    def grads(actor_params, critic_params, mb: Batch):
+    def grads(actor_params, critic_params, mb: Batch, share: int = 1):
         num_tokens, num_seqs = losses.denominators(mb.loss_mask)
-        micro = _micro_size(algo, mb.tokens.shape[0])
+        rows = mb.tokens.shape[0]
+        micro = _micro_size(algo, rows)
+        actor_micro = share_micro(micro, share, rows) if share > 1 else micro
+        # the critic alongside the actor in one scan where their micro-batches are the same
+        critic_with_actor = algo.uses_critic and actor_micro == micro
 
-        def add_micro(acc, m):
+        def add_micro(acc, m, actor=True, critic=critic_with_actor):
             """Add one micro-batch's grads and (sum-form) metrics to the accumulator."""
-            (_, stats), g = actor_vg(actor_params, m, num_tokens, num_seqs)
-            out = {"actor": (g, stats)}
-            if algo.uses_critic:
+            out = {}
+            if actor:
+                (_, stats), g = actor_vg(actor_params, m, num_tokens, num_seqs, share)
+                out["actor"] = (g, stats)
+            if critic:
                 (_, stats), g = critic_vg(critic_params, m, num_tokens, num_seqs)
                 out["critic"] = (g, stats)
             return jax.tree_util.tree_map(jnp.add, acc, out), None
 
         start = {"actor": zeros(actor_params, actor_names)}
-        if algo.uses_critic:
+        if critic_with_actor:
             start["critic"] = zeros(critic_params, critic_names)
-        total, _ = jax.lax.scan(add_micro, start, micro_split(mb, micro))
+        total, _ = jax.lax.scan(add_micro, start, micro_split(mb, actor_micro))
+        if algo.uses_critic and not critic_with_actor:
+            total["critic"] = jax.lax.scan(
+                functools.partial(add_micro, actor=False, critic=True),
+                {"critic": zeros(critic_params, critic_names)}, micro_split(mb, micro))[0][
+                    "critic"]
         actor_g, metrics = total["actor"]
         metrics = dict(metrics)
         critic_g = None
@@ -709,8 +745,8 @@ def num_updates(algo: AlgoConfig, rows: int) -> tuple[int, int]:
     """(mini-batch size, k) for `rows` kept rows: k optimizer updates per rollout batch.
 
     k = online_k when set, else ppo_epochs * (rows // mini-batch size). Mini-batches are drawn
-    from a fresh permutation of the rows each epoch; rows beyond a whole number of mini-batches
-    sit that epoch out.
+    from a fresh permutation of the rows each epoch (`shuffle_mini_batches`; else the rows in
+    order); rows beyond a whole number of mini-batches sit that epoch out.
     """
     mini = min(algo.ppo_mini_batch_size, rows)
     per_epoch = rows // mini
@@ -718,11 +754,16 @@ def num_updates(algo: AlgoConfig, rows: int) -> tuple[int, int]:
 
 
 def minibatch_order(algo: AlgoConfig, rows: int, key: jax.Array) -> jax.Array:
-    """int32[k, mini]: the rows of each of the k mini-batches, a fresh permutation per epoch."""
+    """int32[k, mini]: the rows of each of the k mini-batches, a fresh permutation per epoch
+    (or, without `shuffle_mini_batches`, the rows in order every epoch, as verl splits them)."""
     mini, k = num_updates(algo, rows)
     per_epoch = rows // mini
     epochs = -(-k // per_epoch)
-    perms = jax.vmap(lambda kk: jax.random.permutation(kk, rows))(jax.random.split(key, epochs))
+    if algo.shuffle_mini_batches:
+        perms = jax.vmap(lambda kk: jax.random.permutation(kk, rows))(
+            jax.random.split(key, epochs))
+    else:
+        perms = jnp.tile(jnp.arange(rows, dtype=jnp.int32), (epochs, 1))
     return perms[:, :per_epoch * mini].reshape(epochs * per_epoch, mini)[:k]
 
 
@@ -739,8 +780,10 @@ def kept_minibatch_order(algo: AlgoConfig, keep: jax.Array, groups: int, key: ja
     static shape. The n kept rows (`keep` bool[N]) alone form the batch, grown by copies of
     random kept rows to `adjusted_size` n' (copies drawn once, without replacement where n'-n
     <= n, as the reference); each epoch takes n' / mini mini-batches of a fresh permutation of
-    those n' rows. k = ppo_epochs x the most mini-batches any n can need; the ones past n' / mini
-    in each epoch are not real: the update computes but never applies them (exact no-ops)."""
+    those n' rows (without `shuffle_mini_batches`: the n' rows in order, the kept rows in row
+    order then the copies). k = ppo_epochs x the most mini-batches any n can need; the ones past
+    n' / mini in each epoch are not real: the update computes but never applies them (exact
+    no-ops)."""
     N = keep.shape[0]
     mini = min(algo.ppo_mini_batch_size, N)
     cap = adjusted_size(N, groups, mini)  # slots of the largest adjusted batch
@@ -759,6 +802,8 @@ def kept_minibatch_order(algo: AlgoConfig, keep: jax.Array, groups: int, key: ja
     adjusted = jnp.where(i < n, kept_rows[jnp.clip(i, 0, N - 1)], copies)  # [cap], n_adj real
 
     def epoch(kk):
+        if not algo.shuffle_mini_batches:
+            return adjusted
         return adjusted[jnp.argsort(jnp.where(i < n_adj, jax.random.uniform(kk, (cap,)), 2.0))]
 
     epochs = -(-k // slots)
@@ -790,10 +835,11 @@ def _minibatch_plan(algo: AlgoConfig, batch: Batch, traj: Trajectory, key: jax.A
     return kept_minibatch_order(algo, keep, groups, key)
 
 
-def _one_update(algo: AlgoConfig, grads_fn, optimizers, batch: Batch, frozen, train_actor):
+def _one_update(algo: AlgoConfig, grads_fn, optimizers, batch: Batch, frozen, train_actor,
+                share: int = 1):
     """One step of the update's `lax.scan` over mini-batches: (trainable state, (rows,
     is_real)) -> (trainable state, metrics). `optimizers`: the actor's and the critic's
-    (AdamW, learning rate schedule)."""
+    (AdamW, learning rate schedule); `share`: `loss_share`."""
     (actor_tx, actor_lr), (critic_tx, critic_lr) = optimizers
 
     def one_update(trainable: TrainState, xs):
@@ -802,7 +848,8 @@ def _one_update(algo: AlgoConfig, grads_fn, optimizers, batch: Batch, frozen, tr
         mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
         # During critic warm-up the actor's gradient is still computed but not applied: a
         # `lax.cond` around it would nearly double the compile time for a few early steps.
-        actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb)  # new dict
+        actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb,
+                                        share)  # a new dict
         some = mb.loss_mask.any() & is_real  # a mini-batch past the kept rows has nothing
         state = _actor_step(actor_tx, actor_lr, state, actor_g, m, train_actor & is_real,
                             train_actor & some)
@@ -894,7 +941,8 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
         train_actor = state.step >= algo.critic_warmup if algo.uses_critic else jnp.bool_(True)
 
         trainable, frozen = split_state(state)  # the loop carries the trainable part alone
-        one_update = _one_update(algo, grads_fn, optimizers, batch, frozen, train_actor)
+        share = loss_share(algo, batch, traj.tokens.shape[0] // algo.group_size)
+        one_update = _one_update(algo, grads_fn, optimizers, batch, frozen, train_actor, share)
         trainable, per_update = jax.lax.scan(one_update, trainable, (order, real))
         state = join_state(trainable, frozen)
         metrics.update(_over_updates(per_update, real))

@@ -509,12 +509,17 @@ def test_update_with_the_head_at_reply_tokens_equals_the_full_one(params, traj, 
     assert_trees_close(part_state.actor_params, full_state.actor_params, rtol=1e-4, atol=1e-6)
 
 
-def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypatch):
+@pytest.mark.parametrize("order", ["shuffled", "in order", "in order, one group a step",
+                                   "in order, critic"])
+def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypatch, order):
     """Single-turn episodes in groups of 3 (a group's rows share a prompt) through the GRPO
     update, the filter keeping 2 of 3 groups: the old log-probs run each kept group's prompt
     once (`prompt_share` = 3 for micro-batches of 3, 6 and 2 rows: a packed group of 3 holds
-    20 + 2 x 4 tokens, 28 <= 2 x 20; 1 for micro-batches of 1 row or a second turn); every
-    metric and the new weights equal those of every row running its own forward."""
+    20 + 2 x 4 tokens, 28 <= 2 x 20; 1 for micro-batches of 1 row or a second turn), and with
+    mini-batches in order (`shuffle_mini_batches` off) so does the PPO loss (`loss_share`: a
+    mini-batch of 6 rows in micro-batches of one group; of 3 rows, one group a step; with a
+    critic, whose loss keeps its micro-batches of 2 rows); every metric and the new weights
+    equal those of every row running its own forward."""
     actor0 = params[0]
     tokens, valid, mask = single_turn_groups(3)
     B = tokens.shape[0]
@@ -531,19 +536,28 @@ def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypa
         tag=jnp.zeros(B, jnp.int32), length=jnp.sum(valid, axis=1).astype(jnp.int32))
     check_trajectory(traj, 3)
     algo = GRPO.replace(group_size=3, rollout_filter_ratio=0.67, ppo_mini_batch_size=6,
-                        micro_batch_size=2, max_turn=1, response_length=4)
+                        micro_batch_size=2, max_turn=1, response_length=4,
+                        shuffle_mini_batches=order == "shuffled")
+    if order == "in order, one group a step":
+        algo = algo.replace(ppo_mini_batch_size=3, micro_batch_size=3, online_k=0)
+    critic = order == "in order, critic"
+    if critic:
+        algo = algo.replace(adv_estimator="gae", critic_lr=1e-2)
     assert [UP.prompt_share(algo, T, m) for m in (3, 6, 2, 1)] == [3, 3, 3, 1]
     assert [UP.share_micro(m, 3, 6) for m in (3, 6, 2)] == [3, 6, 3]
     assert [UP.share_micro(m, 8, 40) for m in (20, 40, 4)] == [8, 40, 8]  # 5 groups
     assert UP.prompt_share(algo.replace(max_turn=2), T, 3) == 1
-    results = []
+    results, shares, loss_share = [], [], UP.loss_share
+    monkeypatch.setattr(UP, "loss_share", lambda *a: shares.append(loss_share(*a)) or shares[-1])
     for share in (True, False):
         if not share:
             monkeypatch.setattr(UP, "prompt_share", lambda *a: 1)
-        state = UP.init_train_state(algo, copy(actor0))
-        update = UP.make_update(algo, CFG, compiler_options=FAST)
+        state = UP.init_train_state(algo, copy(actor0), copy(params[1]) if critic else None)
+        update = UP.make_update(algo, CFG, CRITIC if critic else None, compiler_options=FAST)
         results.append(update(state, traj, jax.random.key(3)))
     (shared_state, shared_m), (each_state, each_m) = results
+    assert shares == [1 if order == "shuffled" else 3, 1]  # the PPO loss's, packed then not
+    assert float(each_m["trainer/updates_per_batch"]) == 2
     assert float(each_m["rollout/kept_groups"]) == 2
     for name in each_m:
         assert float(shared_m[name]) == pytest.approx(float(each_m[name]), rel=1e-4,
@@ -654,6 +668,26 @@ def test_kept_minibatch_order_is_ragen2s_adjusted_batch(kept_groups, group_size,
             assert counts.max() <= 2  # without replacement
     if epochs > 1 and per_epoch > 1:  # a fresh permutation each epoch
         assert not np.array_equal(order[:per_epoch], order[slots:slots + per_epoch])
+
+
+def test_mini_batches_in_order_are_verls_split():
+    """Without `shuffle_mini_batches`, verl's `batch.split(mini)`: every epoch the rows in
+    order, mini at a time (hand-written); a filtered batch's kept rows in row order, then its
+    copies (RAGEN-2's adjusted batch, whose copies come last)."""
+    algo = RC.AlgoConfig(adv_estimator="grpo", group_size=4, ppo_mini_batch_size=8,
+                         micro_batch_size=8, ppo_epochs=2, shuffle_mini_batches=False)
+    order = np.asarray(UP.minibatch_order(algo, 24, jax.random.key(0)))
+    assert order.tolist() == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))] * 2
+    keep = np.zeros(32, bool)
+    keep[[4, 5, 6, 7, 20, 21, 22, 23, 24, 25, 26, 27]] = True  # groups 1, 5, 6: 12 rows -> 16
+    order, real = UP.kept_minibatch_order(algo, jnp.asarray(keep), 8, jax.random.key(3))
+    order, real = np.asarray(order), np.asarray(real)
+    assert real.tolist() == [True, True, False, False] * 2
+    for epoch in (order[:2], order[4:6]):
+        assert epoch[0].tolist() == [4, 5, 6, 7, 20, 21, 22, 23]
+        assert epoch[1, :4].tolist() == [24, 25, 26, 27]
+        assert set(epoch[1, 4:]) <= set(np.flatnonzero(keep))  # 4 copies
+    assert np.array_equal(order[:2], order[4:6])
 
 
 def test_update_trains_on_the_kept_rows_in_fewer_full_minibatches(params, traj):
