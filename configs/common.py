@@ -91,7 +91,8 @@ ALGORITHM = dict(
     online_k=0,  # optimizer updates per rollout batch; 0 = ppo_epochs x mini-batches
     # True: each epoch's mini-batches from a fresh random permutation of the rows; False: the
     # rows split in order, as the reference (verl) does, a group's rows together (a single-turn
-    # group's prompt then runs once in the PPO loss too: docs/differences.md)
+    # group's prompt then runs once in the PPO loss too: docs/differences.md); a mini-batch
+    # of every row is taken in order either way
     shuffle_mini_batches=True,
     # tokens per chunk of the log-prob head (0 = the whole sequence): [rows, 64, vocab] float32
     # logits at a time instead of [rows, T, vocab], recomputed in the backward pass (docs/gpu_tpu.md)

@@ -26,10 +26,6 @@ def get_config(arg=None):
     c.rollout.update(dict(max_turn=1, max_actions_per_turn=1, max_actions_per_traj=1))
     c.rollout.decode_windows = 1  # one turn: the reply follows the prompt, nothing to skip
     c.val.tags = "Countdown"
-    # mini-batches of the rows in order, as the reference splits them: whole groups, so the PPO
-    # loss runs a group's shared prompt once (the bandit.py:cpu update 7.2 -> 2.3 s a step:
-    # docs/results.md)
-    c.algorithm.shuffle_mini_batches = False
     if v == "cpu":
         common.cpu(c)
         # One turn: the prompt and an answer such as `44 + 19 + 35</answer>` fit in 384

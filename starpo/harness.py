@@ -54,7 +54,7 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "trainer.collapse_mi_multi_turn", "trainer.offload_state",
                      "sft.save_freq")
 # Keys added after runs were saved: a run saved without one had the default.
-ADDED_KEYS = {"env.mix": "", "algorithm.shuffle_mini_batches": True, "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
+ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
               "model.attention": "auto", "mesh.coordinator_address": "",
               "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
@@ -67,6 +67,7 @@ ADDED_KEYS = {"env.mix": "", "algorithm.shuffle_mini_batches": True, "algorithm.
               "mesh.heartbeat_timeout_s": 60, "algorithm.filter_groups_metric": "score",
               "algorithm.filter_loss_scaling": "none",
               "trainer.rollout_filter_empty_stop_steps": 0,
+              "algorithm.shuffle_mini_batches": True,
               "trainer.collapse_mi_multi_turn": False, "trainer.offload_state": False,
               # GiGPO's episode statistics ran over episodes before; a resumed GiGPO run
               # takes verl-agent's (over steps) from here on

@@ -275,7 +275,7 @@ def sft_run(run: run_config.RunSpec) -> run_config.RunSpec:
     """`run` as its SFT phase alone plans (`plan`, then `sft_phases`): SFT's optimizer (no
     critic, no reference weights) over `sft.env_groups` demonstrations a step."""
     algo = run.sft.algo.replace(use_kl_loss=False, use_kl_in_reward=False,
-                                rollout_filter_ratio=1.0)
+                                rollout_filter_ratio=1.0, group_size=1)  # a level a row
     return dataclasses.replace(run, algo=algo, batch=dataclasses.replace(
         run.batch, env_groups=run.sft.env_groups, group_size=1))
 

@@ -166,7 +166,8 @@ class AlgoConfig:
     online_k: int = 0  # optimizer updates per rollout batch; 0 = ppo_epochs * mini-batches
     # mini-batches from a fresh random permutation of the rows each epoch (True), or the rows
     # split in order as verl does (False): whole groups together, so a single-turn group's
-    # prompt runs once in the PPO loss too (`update.prompt_share`)
+    # prompt runs once in the PPO loss too (`update.static_loss_share`); a mini-batch of every
+    # row is taken in order either way
     shuffle_mini_batches: bool = True
     # tokens per chunk of the log-prob head; 0 = the whole sequence. Float32 logits of 64
     # tokens at a time (recomputed in the backward pass) rather than of whole rows: Qwen2.5-0.5B

@@ -384,10 +384,10 @@ def loss_share(algo: AlgoConfig, batch: "Batch", groups: int) -> int:
 
 def static_loss_share(algo: AlgoConfig, rows: int, groups: int, context: int) -> int:
     """`prompt_share` of the PPO loss for `rows` kept rows of `context` tokens, of a rollout of
-    `groups` groups, where its mini-batches are those rows in order (`shuffle_mini_batches`
-    off; top-k filtering, nothing copied) and each holds whole groups; else 1."""
+    `groups` groups, where its mini-batches are those rows in order (`in_order`; top-k
+    filtering, nothing copied) and each holds whole groups; else 1."""
     mini = min(algo.ppo_mini_batch_size, rows)
-    if (algo.shuffle_mini_batches or algo.rollout_filter_strategy == "top_p"
+    if (not in_order(algo, rows) or algo.rollout_filter_strategy == "top_p"
             or adjusted_size(rows, groups, mini) != rows or mini % algo.group_size
             or mini % min(algo.micro_batch_size, mini)):
         return 1
@@ -753,13 +753,20 @@ def num_updates(algo: AlgoConfig, rows: int) -> tuple[int, int]:
     return mini, (algo.online_k if algo.online_k > 0 else algo.ppo_epochs * per_epoch)
 
 
+def in_order(algo: AlgoConfig, rows: int) -> bool:
+    """Whether the mini-batches of `rows` rows are the rows in order (`minibatch_order`):
+    without `shuffle_mini_batches`, or where one mini-batch holds every row, whose order within
+    it changes nothing but the float rounding of its micro-batches' sum."""
+    return not algo.shuffle_mini_batches or min(algo.ppo_mini_batch_size, rows) == rows
+
+
 def minibatch_order(algo: AlgoConfig, rows: int, key: jax.Array) -> jax.Array:
     """int32[k, mini]: the rows of each of the k mini-batches, a fresh permutation per epoch
-    (or, without `shuffle_mini_batches`, the rows in order every epoch, as verl splits them)."""
+    (or the rows in order every epoch, as verl splits them, where `in_order`)."""
     mini, k = num_updates(algo, rows)
     per_epoch = rows // mini
     epochs = -(-k // per_epoch)
-    if algo.shuffle_mini_batches:
+    if not in_order(algo, rows):
         perms = jax.vmap(lambda kk: jax.random.permutation(kk, rows))(
             jax.random.split(key, epochs))
     else:

@@ -65,10 +65,7 @@ def test_algorithm_knobs_are_algoconfigs_fields_with_its_defaults():
         for name, default in fields.items():
             assert type(algo[name]) is type(default), (path, variant, name)
             if variant is None and path != "configs/bandit.py":  # bandit's base is the paper's
-                # single-turn envs split mini-batches in order (the reference's order), so
-                # that the PPO loss packs a group's shared prompt
-                in_order = name == "shuffle_mini_batches" and c.rollout.max_turn == 1
-                assert algo[name] == (not default if in_order else default), (path, name)
+                assert algo[name] == default, (path, name)
     paper = {k: v for k, v in frozenlake.get_config().algorithm.items()}
     assert paper == fields
 

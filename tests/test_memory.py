@@ -48,14 +48,14 @@ def test_the_plan_is_within_a_quarter_of_what_xla_reserves(variant):
     LoRA, a frozen base the state shares and adapters with their moments; "shared": its
     validation on a program of its own, so each group's prompt is appended once
     (`Rollout.share`; with every row appending it, XLA reserves 8.5 MB here), and mini-batches
-    of shuffled rows, each running its own forward (the others, as the Bandit's configs, in
-    order: the PPO loss packs a group's prompt once, `update.static_loss_share`; XLA 20 MB
-    for the update unpacked, 23.6 MB, against 5.0 MB packed)."""
+    of shuffled rows, each running its own forward (the others' one mini-batch of every row
+    packs a group's prompt once in the PPO loss, `update.static_loss_share`: XLA reserves
+    23.6 MB for the update unpacked, 5.0 MB packed)."""
     shared = variant.endswith("-shared")
     config = with_changes(bandit.get_config(variant.removesuffix("-shared")),
                           rollout__max_context=512, algorithm__micro_batch_size=16,
                           trainer__fast_compile=True, val__env_groups=32 if shared else 64,
-                          algorithm__shuffle_mini_batches=shared)
+                          algorithm__ppo_mini_batch_size=16 if shared else 64)
     exp = experiment.build(config)
     assert exp.rollout.share == (8 if shared else 1)
     phases = {p.name: p.total for p in harness.memory_plan(exp, log=lambda *a: None)}
@@ -223,7 +223,7 @@ def test_an_sft_run_plans_its_own_phases():
     config = with_changes(bandit.get_config("tiny"), algorithm__adv_estimator="gae",
                           algorithm__use_kl_loss=True, sft__env_groups=8,
                           algorithm__micro_batch_size=16,
-                          algorithm__shuffle_mini_batches=True)  # rows of their own
+                          algorithm__ppo_mini_batch_size=16)  # shuffled: rows of their own
     exp = experiment.build(config)
     rl = {p.name: dict(p.parts) for p in harness.plan_phases(exp)}
     sft = {p.name: dict(p.parts) for p in harness.plan_phases(exp, sft=True)}

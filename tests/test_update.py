@@ -509,17 +509,18 @@ def test_update_with_the_head_at_reply_tokens_equals_the_full_one(params, traj, 
     assert_trees_close(part_state.actor_params, full_state.actor_params, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("order", ["shuffled", "in order", "in order, one group a step",
+@pytest.mark.parametrize("order", ["shuffled", "one mini-batch", "in order, one group a step",
                                    "in order, critic"])
 def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypatch, order):
     """Single-turn episodes in groups of 3 (a group's rows share a prompt) through the GRPO
     update, the filter keeping 2 of 3 groups: the old log-probs run each kept group's prompt
     once (`prompt_share` = 3 for micro-batches of 3, 6 and 2 rows: a packed group of 3 holds
-    20 + 2 x 4 tokens, 28 <= 2 x 20; 1 for micro-batches of 1 row or a second turn), and with
-    mini-batches in order (`shuffle_mini_batches` off) so does the PPO loss (`loss_share`: a
-    mini-batch of 6 rows in micro-batches of one group; of 3 rows, one group a step; with a
-    critic, whose loss keeps its micro-batches of 2 rows); every metric and the new weights
-    equal those of every row running its own forward."""
+    20 + 2 x 4 tokens, 28 <= 2 x 20; 1 for micro-batches of 1 row or a second turn), and where
+    its mini-batches are the rows in order so does the PPO loss (`loss_share`: one shuffled
+    mini-batch of all 6 rows, in micro-batches of one group; without `shuffle_mini_batches`,
+    mini-batches of 3 rows, one group a step; of 6, with a critic, whose loss keeps its
+    micro-batches of 2 rows); not two shuffled mini-batches of 3 rows. Every metric and the new
+    weights equal those of every row running its own forward."""
     actor0 = params[0]
     tokens, valid, mask = single_turn_groups(3)
     B = tokens.shape[0]
@@ -537,8 +538,8 @@ def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypa
     check_trajectory(traj, 3)
     algo = GRPO.replace(group_size=3, rollout_filter_ratio=0.67, ppo_mini_batch_size=6,
                         micro_batch_size=2, max_turn=1, response_length=4,
-                        shuffle_mini_batches=order == "shuffled")
-    if order == "in order, one group a step":
+                        shuffle_mini_batches=order in ("shuffled", "one mini-batch"))
+    if order in ("shuffled", "in order, one group a step"):
         algo = algo.replace(ppo_mini_batch_size=3, micro_batch_size=3, online_k=0)
     critic = order == "in order, critic"
     if critic:
@@ -673,11 +674,18 @@ def test_kept_minibatch_order_is_ragen2s_adjusted_batch(kept_groups, group_size,
 def test_mini_batches_in_order_are_verls_split():
     """Without `shuffle_mini_batches`, verl's `batch.split(mini)`: every epoch the rows in
     order, mini at a time (hand-written); a filtered batch's kept rows in row order, then its
-    copies (RAGEN-2's adjusted batch, whose copies come last)."""
+    copies (RAGEN-2's adjusted batch, whose copies come last). Shuffled: a permutation an
+    epoch, except one mini-batch of every row (in order: the same mini-batch)."""
     algo = RC.AlgoConfig(adv_estimator="grpo", group_size=4, ppo_mini_batch_size=8,
                          micro_batch_size=8, ppo_epochs=2, shuffle_mini_batches=False)
     order = np.asarray(UP.minibatch_order(algo, 24, jax.random.key(0)))
     assert order.tolist() == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))] * 2
+    shuffled = algo.replace(shuffle_mini_batches=True)
+    order = np.asarray(UP.minibatch_order(shuffled, 24, jax.random.key(0)))
+    assert sorted(order[:3].ravel()) == list(range(24)) and order[:3].ravel().tolist() != list(
+        range(24))
+    assert np.asarray(UP.minibatch_order(shuffled, 8, jax.random.key(0))).tolist() == [
+        list(range(8))] * 2
     keep = np.zeros(32, bool)
     keep[[4, 5, 6, 7, 20, 21, 22, 23, 24, 25, 26, 27]] = True  # groups 1, 5, 6: 12 rows -> 16
     order, real = UP.kept_minibatch_order(algo, jnp.asarray(keep), 8, jax.random.key(3))
