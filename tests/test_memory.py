@@ -50,7 +50,7 @@ def test_the_plan_is_within_a_quarter_of_what_xla_reserves(variant):
     (`Rollout.share`; with every row appending it, XLA reserves 8.5 MB here), and mini-batches
     of shuffled rows, each running its own forward (the others' one mini-batch of every row
     packs a group's prompt once in the PPO loss, `update.static_loss_share`: XLA reserves
-    23.6 MB for the update unpacked, 5.0 MB packed)."""
+    ~23 MB for the update unpacked, 5.0 MB packed)."""
     shared = variant.endswith("-shared")
     config = with_changes(bandit.get_config(variant.removesuffix("-shared")),
                           rollout__max_context=512, algorithm__micro_batch_size=16,
