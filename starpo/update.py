@@ -376,20 +376,19 @@ def prompt_share(algo: AlgoConfig, context: int, micro: int) -> int:
 def loss_share(algo: AlgoConfig, batch: "Batch", groups: int) -> int:
     """Rows per packed sequence in the PPO loss's forward (`prompt_share`) for a prepared
     `batch` of a rollout of `groups` groups (`static_loss_share`; 1 where the head runs at
-    every position or a top-p mask keeps rows). Static."""
-    if batch.positions is None or batch.keep is not None:
+    every position). Static."""
+    if batch.positions is None:
         return 1
     return static_loss_share(algo, batch.tokens.shape[0], groups, batch.tokens.shape[1])
 
 
 def static_loss_share(algo: AlgoConfig, rows: int, groups: int, context: int) -> int:
     """`prompt_share` of the PPO loss for `rows` kept rows of `context` tokens, of a rollout of
-    `groups` groups, where its mini-batches are those rows in order (`in_order`; top-k
-    filtering, nothing copied) and each holds whole groups; else 1."""
+    `groups` groups, where its mini-batches are those rows in order (`plain_split`, `in_order`)
+    and each holds whole groups; else 1."""
     mini = min(algo.ppo_mini_batch_size, rows)
-    if (not in_order(algo, rows) or algo.rollout_filter_strategy == "top_p"
-            or adjusted_size(rows, groups, mini) != rows or mini % algo.group_size
-            or mini % min(algo.micro_batch_size, mini)):
+    if (not plain_split(algo, rows, groups) or not in_order(algo, rows)
+            or mini % algo.group_size or mini % min(algo.micro_batch_size, mini)):
         return 1
     return prompt_share(algo, context, min(algo.micro_batch_size, mini))
 
@@ -724,11 +723,10 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         if critic_with_actor:
             start["critic"] = zeros(critic_params, critic_names)
         total, _ = jax.lax.scan(add_micro, start, micro_split(mb, actor_micro))
-        if algo.uses_critic and not critic_with_actor:
-            total["critic"] = jax.lax.scan(
-                functools.partial(add_micro, actor=False, critic=True),
-                {"critic": zeros(critic_params, critic_names)}, micro_split(mb, micro))[0][
-                    "critic"]
+        if algo.uses_critic and not critic_with_actor:  # its own micro-batches
+            critic_only = functools.partial(add_micro, actor=False, critic=True)
+            start = {"critic": zeros(critic_params, critic_names)}
+            total.update(jax.lax.scan(critic_only, start, micro_split(mb, micro))[0])
         actor_g, metrics = total["actor"]
         metrics = dict(metrics)
         critic_g = None
@@ -829,13 +827,21 @@ def _apply(tx, params, opt_state, grads, apply):
     return lora.join(pick(new_params, train), frozen), pick(new_opt_state, opt_state)
 
 
+def plain_split(algo: AlgoConfig, rows: int, groups: int) -> bool:
+    """Whether the mini-batches of `rows` kept rows, of a rollout of `groups` groups, are those
+    rows alone (`minibatch_order`): no top-p mask (the batch holds only kept rows) and no
+    copies to grow it (`adjusted_size`); else `kept_minibatch_order`'s plan."""
+    mini = min(algo.ppo_mini_batch_size, rows)
+    return (algo.rollout_filter_strategy != "top_p"
+            and adjusted_size(rows, groups, mini) == rows)
+
+
 def _minibatch_plan(algo: AlgoConfig, batch: Batch, traj: Trajectory, key: jax.Array):
     """(order [k, mini] of row indices, real bool[k]): the mini-batches of one update, those
     past the kept rows (top_p, or a batch RAGEN-2 would grow by copies) marked not real."""
     rows_in = batch.tokens.shape[0]
     groups = traj.tokens.shape[0] // algo.group_size  # the rollout's, before the filter
-    mini = min(algo.ppo_mini_batch_size, rows_in)
-    if batch.keep is None and adjusted_size(rows_in, groups, mini) == rows_in:
+    if plain_split(algo, rows_in, groups):
         order = minibatch_order(algo, rows_in, key)  # [k, mini]
         return order, jnp.ones(order.shape[0], bool)
     keep = jnp.ones(rows_in, bool) if batch.keep is None else batch.keep
