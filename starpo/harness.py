@@ -67,7 +67,7 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "mesh.heartbeat_timeout_s": 60, "algorithm.filter_groups_metric": "score",
               "algorithm.filter_loss_scaling": "none",
               "trainer.rollout_filter_empty_stop_steps": 0,
-              "algorithm.shuffle_mini_batches": True,
+              "algorithm.shuffle_mini_batches": True, "algorithm.pack_rows": True,
               "trainer.collapse_mi_multi_turn": False, "trainer.offload_state": False,
               # GiGPO's episode statistics ran over episodes before; a resumed GiGPO run
               # takes verl-agent's (over steps) from here on

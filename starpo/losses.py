@@ -93,13 +93,16 @@ def denominators(mask: jax.Array):
     return jnp.maximum(tokens, 1).astype(jnp.float32), jnp.maximum(seqs, 1).astype(jnp.float32)
 
 
-def aggregate(x: jax.Array, mask: jax.Array, mode: str, num_tokens, num_seqs) -> jax.Array:
+def aggregate(x: jax.Array, mask: jax.Array, mode: str, num_tokens, num_seqs,
+              segments=None, num_segments: int = 0) -> jax.Array:
     """Reduce per-token x f32[b,T] over mask bool[b,T] with mini-batch denominators.
 
     token-mean:          sum of all tokens / num_tokens
     seq-mean-token-sum:  sum over rows of (row sum) / num_seqs
     seq-mean-token-mean: sum over rows of (row mean) / num_seqs
     Summing this over the micro-batches of a mini-batch gives the mini-batch value.
+    segments: int[b,T], the sequence (of `num_segments`) each token belongs to where a row
+    holds several (`update.pack_rows`); None: each row is one.
     """
     masked = jnp.where(mask, x, 0.0)
     if mode == "token-mean":
@@ -107,6 +110,12 @@ def aggregate(x: jax.Array, mask: jax.Array, mode: str, num_tokens, num_seqs) ->
     if mode == "seq-mean-token-sum":
         return masked.sum() / num_seqs
     if mode == "seq-mean-token-mean":
-        row = masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)
+        if segments is None:
+            row = masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)
+        else:
+            def by_seq(v):
+                return jax.ops.segment_sum(v.ravel(), segments.ravel(), num_segments)
+
+            row = by_seq(masked) / jnp.maximum(by_seq(mask.astype(masked.dtype)), 1)
         return row.sum() / num_seqs
     raise ValueError(f"unknown loss_agg_mode {mode!r} (one of {LOSS_AGG_MODES})")

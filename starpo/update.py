@@ -232,11 +232,23 @@ class Batch:
     turns: jax.Array | None = None
     keep: jax.Array | None = None
     positions: jax.Array | None = None  # int[N,K] `reply_positions`: where the head runs
+    # packed rows (`pack_rows`): each token's rotary position in its own row, `turns` its row
+    # (of `segments` rows) and each row's tokens see their own row alone
+    rotary: jax.Array | None = None
+    segments: int = struct.field(pytree_node=False, default=0)
 
 
 def turn_window(algo: AlgoConfig, turns=None):
     """The `model.TurnWindow` of a batch's rows (turns [N,T]), or None without a window."""
     return model_lib.TurnWindow(turns, algo.context_window) if algo.context_window else None
+
+
+def batch_window(algo: AlgoConfig, m: Batch):
+    """The `model.TurnWindow` a (micro-)batch runs under: its rows' own (`turn_window`), or
+    for packed rows (`pack_rows`) one that keeps each row to its own tokens."""
+    if m.segments:
+        return model_lib.TurnWindow(m.turns, 1)
+    return turn_window(algo, m.turns)
 
 
 # ----------------------------------------------------------------------------- forward passes
@@ -247,10 +259,12 @@ def _shift_right(x: jax.Array) -> jax.Array:
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
-                   temperature: float = 1.0, window=None, positions=None, share: int = 1):
+                   temperature: float = 1.0, window=None, positions=None, share: int = 1,
+                   rotary=None):
     """Log-prob and entropy f32[B,T] of each token under the model's distribution at
     `temperature` (the one the sampler drew from), aligned with the token; window: the
-    rollout's `model.TurnWindow` over the rows, or None; positions, share: see `per_token`.
+    rollout's `model.TurnWindow` over the rows, or None; positions, share, rotary: see
+    `per_token`.
 
     With `chunk` > 0 the output head runs over `chunk` positions at a time with its logits
     rematerialised in the backward pass, so f32 logits [B,T,V] never exist at once.
@@ -260,11 +274,11 @@ def token_logprobs(params, cfg: ModelConfig, tokens, valid, chunk: int = 0,
             logits = logits / temperature
         return losses.logprobs_and_entropy(logits, y)
 
-    return per_token(params, cfg, tokens, valid, head, chunk, window, positions, share)
+    return per_token(params, cfg, tokens, valid, head, chunk, window, positions, share, rotary)
 
 
 def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, window=None,
-              positions=None, share: int = 1):
+              positions=None, share: int = 1, rotary=None):
     """fn(logits [B,n,V], targets int[B,n]) -> a tuple of [B,n] arrays, run on the logits
     that predict each token and aligned with the token (position 0: 0); with `chunk` > 0,
     over `chunk` positions at a time, rematerialised in the backward pass.
@@ -276,14 +290,18 @@ def per_token(params, cfg: ModelConfig, tokens, valid, fn, chunk: int = 0, windo
 
     share > 1 (with positions; no window): the rows are single-turn episodes in groups of
     `share` consecutive rows with one prompt, each row's reply contiguous right after it
-    (`Rollout.share`'s batches): the prompt runs once per group (`packed_hidden`)."""
+    (`Rollout.share`'s batches): the prompt runs once per group (`packed_hidden`).
+
+    rotary: int[B,T] each token's rotary position where a row holds several sequences
+    (`pack_rows`); None: the valid tokens before it."""
     tokens = sharding.constrain(tokens, ("batch", "length"))
     if share > 1:
         if positions is None or window is not None:
             raise ValueError("a shared prompt needs the reply positions and no context window")
         h = packed_hidden(params, cfg, tokens, valid, positions, share)
     else:
-        hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
+        hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window,
+                                            positions=rotary)
         h = (hidden[:, :-1] if positions is None  # logits at t-1 predict token t
              else jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1))
     targets = (tokens[:, 1:] if positions is None
@@ -351,6 +369,61 @@ def packed_hidden(params, cfg: ModelConfig, tokens, valid, positions, share: int
     at = jnp.where(j <= 0, start[group][:, None] - 1,
                    start[group][:, None] + i[:, None] * K + j - 1)
     return hidden[group[:, None], jnp.clip(at, 0, Tp - 1)]
+
+
+ROWS_PER_BIN = 4  # the most rows `pack_rows` puts in one sequence
+
+
+def packs_rows(algo: AlgoConfig, batch: "Batch", share: int) -> bool:
+    """Whether the PPO loss runs a mini-batch's rows packed (`pack_rows`): multi-turn rows
+    whose head runs at their reply positions, under no context window, their prompts not
+    already shared (`loss_share`). Static."""
+    return (algo.pack_rows and share == 1 and algo.max_turn > 1 and not algo.context_window
+            and batch.positions is not None)
+
+
+def pack_rows(algo: AlgoConfig, mb: "Batch") -> tuple["Batch", jax.Array]:
+    """(packed, bins): the N rows of a mini-batch placed whole, in order, into sequences of
+    its length T (next fit: a row starts a new sequence where it does not fit in the current
+    one, or that holds ROWS_PER_BIN rows), each row's tokens through its last reply token (the
+    rest feeds no loss), every token at its own rotary position and seeing its own row alone
+    (`batch_window`): the same per-token numbers as each row's own forward, in `bins` of the
+    N sequences, the rest empty. A row without a reply token takes no room. Multi-turn rows
+    are padded to the batch's longest, so two or more usually share a sequence
+    (docs/gpu_tpu.md)."""
+    N, T = mb.tokens.shape
+    length = jnp.max(jnp.where(mb.loss_mask, jnp.arange(1, T + 1), 0), axis=1)
+
+    def place(carry, n):
+        b, fill, count = carry
+        new = (n > 0) & ((fill + n > T) | (count >= ROWS_PER_BIN))
+        b, fill, count = (jnp.where(new, b + 1, b), jnp.where(new, 0, fill),
+                          jnp.where(new, 0, count))
+        return (b, fill + n, count + (n > 0)), b * T + fill
+
+    zero = jnp.zeros((), jnp.int32)
+    (last, fill, _), start = jax.lax.scan(place, (zero, zero, zero), length.astype(jnp.int32))
+    bins = last + (fill > 0)
+    slot = jnp.arange(N * T, dtype=jnp.int32).reshape(N, T)
+    row = jnp.clip(jnp.searchsorted(start, slot, side="right") - 1, 0, N - 1)
+    at = slot - start[row]  # the slot's place in its row
+    inside = (at >= 0) & (at < length[row])
+    at = jnp.clip(at, 0, T - 1)
+
+    def take(x):
+        return None if x is None else x[row, at]
+
+    row_pos = jnp.maximum(jnp.cumsum(mb.valid, axis=1, dtype=jnp.int32) - 1, 0)
+    loss_mask = take(mb.loss_mask) & inside
+    size = min(T, ROWS_PER_BIN * algo.max_turn * algo.response_length)
+    packed = Batch(tokens=jnp.where(inside, take(mb.tokens), 0),
+                   valid=take(mb.valid) & inside, loss_mask=loss_mask,
+                   old_logprobs=take(mb.old_logprobs), ref_logprobs=take(mb.ref_logprobs),
+                   old_values=take(mb.old_values), advantages=take(mb.advantages),
+                   returns=take(mb.returns), turns=row, keep=None,
+                   positions=reply_positions(loss_mask, size), rotary=take(row_pos),
+                   segments=N)
+    return packed, bins
 
 
 def reply_count(loss_mask) -> int:
@@ -431,11 +504,13 @@ def reply_positions(loss_mask, size: int):
     return pick(loss_mask).astype(jnp.int32)
 
 
-def token_values(params, cfg: ModelConfig, tokens, valid, window=None):
+def token_values(params, cfg: ModelConfig, tokens, valid, window=None, rotary=None):
     """Critic values f32[B,T]: V of the state before each token (hidden state at t-1); the
-    critic sees the context the actor saw (window: a `model.TurnWindow` or None)."""
+    critic sees the context the actor saw (window: a `model.TurnWindow` or None; rotary: see
+    `per_token`)."""
     tokens = sharding.constrain(tokens, ("batch", "length"))
-    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window)
+    hidden, _ = model_lib.hidden_states(params, cfg, tokens, valid, window=window,
+                                        positions=rotary)
     return _shift_right(model_lib.head_values(params, cfg, hidden[:, :-1]))
 
 
@@ -636,13 +711,14 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
     groups packed once (`loss_share`)."""
     logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
                                    algo.logit_chunk_size, algo.temperature,
-                                   turn_window(algo, m.turns), m.positions, share)
+                                   batch_window(algo, m), m.positions, share, m.rotary)
     pg, clipped, lower, log_ratio = losses.policy_loss_terms(
         logp, m.old_logprobs, m.advantages, algo.clip_ratio_low, algo.clip_ratio_high,
         algo.clip_ratio_c)
 
     def agg(x):
-        return losses.aggregate(x, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs)
+        return losses.aggregate(x, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs,
+                                m.turns if m.segments else None, m.segments)
 
     def token_mean(x):  # diagnostics are token means over the mini-batch whatever the mode
         return jnp.where(m.loss_mask, x, 0.0).sum() / num_tokens
@@ -663,10 +739,12 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
 def _critic_loss(algo: AlgoConfig, critic_cfg: ModelConfig, params, m: Batch, num_tokens,
                  num_seqs):
     """(loss, stats) of the clipped value loss on one micro-batch."""
-    values = token_values(params, critic_cfg, m.tokens, m.valid, turn_window(algo, m.turns))
+    values = token_values(params, critic_cfg, m.tokens, m.valid, batch_window(algo, m),
+                          m.rotary)
     vf, clipped = losses.value_loss_terms(values, m.old_values, m.returns,
                                           algo.cliprange_value)
-    loss = losses.aggregate(vf, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs)
+    loss = losses.aggregate(vf, m.loss_mask, algo.loss_agg_mode, num_tokens, num_seqs,
+                            m.turns if m.segments else None, m.segments)
     clipfrac = jnp.where(m.loss_mask, clipped, 0.0).sum() / num_tokens
     return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
 
@@ -722,7 +800,18 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         start = {"actor": zeros(actor_params, actor_names)}
         if critic_with_actor:
             start["critic"] = zeros(critic_params, critic_names)
-        total, _ = jax.lax.scan(add_micro, start, micro_split(mb, actor_micro))
+        if packs_rows(algo, mb, share):  # micro-batches of packed rows; the empty ones skipped
+            packed, bins = pack_rows(algo, mb)
+
+            def add_packed(acc, xs):
+                i, m = xs
+                return jax.lax.cond(i * micro < bins, lambda a: add_micro(a, m)[0],
+                                    lambda a: a, acc), None
+
+            steps = jnp.arange(rows // micro, dtype=jnp.int32)
+            total, _ = jax.lax.scan(add_packed, start, (steps, micro_split(packed, micro)))
+        else:
+            total, _ = jax.lax.scan(add_micro, start, micro_split(mb, actor_micro))
         if algo.uses_critic and not critic_with_actor:  # its own micro-batches
             critic_only = functools.partial(add_micro, actor=False, critic=True)
             start = {"critic": zeros(critic_params, critic_names)}

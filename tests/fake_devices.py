@@ -11,6 +11,18 @@ came to the multi-process tests' 4-device reference run, run alone (its set-up 1
 for other XLA:CPU wedges), so that flag is not set. What is set, where the
 installed XLA knows it (jaxlib 0.7's limit is a fixed 10 s): a 60 s limit, far above any real
 lateness of these tiny programs, so a stall costs a minute before the one retry, not three.
+
+What the stall is (a stack dump of a stalled 8-device run, `gdb -p PID -batch -ex "thread
+apply all bt"`): XLA:CPU runs each device's part of a program on one pool of threads, as many
+as the machine's cores or the devices, whichever is more: 8 here. JAX dispatches ahead of the
+devices, and where a device has 32 programs in flight the thread launching its next one
+waits; in the dump 4 threads waited so, 4 waited at an all-reduce's rendezvous, and the other
+4 devices' parts of that all-reduce had no thread left to run on. A deadlock, not lateness:
+more likely the more the process lags behind its own dispatch, so on a busy machine. The pool
+takes its size from PJRT_NPROC where set, so these processes get PJRT_NPROC_FAKE threads (a
+user's setting kept). `python -m tests.mesh_equivalence` alone, 10 runs with PJRT_NPROC=32
+alternated with 10 without, on this project's 2-core Zen 5 EPYC, idle but for them: no stall
+in 20-25 s against 5 stalls of 10 (each aborted after 93-95 s; the others 23-25 s).
 """
 
 import functools
@@ -21,6 +33,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATE_LIMIT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
+PJRT_NPROC_FAKE = "32"  # threads of XLA:CPU's pool: the devices' and the launches' waiting
 ABORTED_AT_RENDEZVOUS = "Termination timeout for"
 
 
@@ -40,7 +53,8 @@ def env(n: int = 8) -> dict:
     flags = " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])
     if _xla_knows(LATE_LIMIT_FLAG):
         flags += " " + LATE_LIMIT_FLAG
-    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+                PJRT_NPROC=os.environ.get("PJRT_NPROC", PJRT_NPROC_FAKE))
 
 
 def run(args: list[str], n: int = 8, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ from starpo import run_config as RC
 from starpo import sampler as S
 from starpo import sharding
 from starpo import update as UP
-from tests.test_update import GROUP_SIZE, random_params, synthetic_trajectory
+from tests.test_update import GROUP_SIZE, MAX_TURN, random_params, synthetic_trajectory
 
 FAST = {"xla_backend_optimization_level": 0}
 # every sharded dim divides its mesh axes on all three meshes: heads 4 and kv heads 2 on
@@ -31,10 +31,12 @@ FAST = {"xla_backend_optimization_level": 0}
 CFG = M.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=8, intermediate_size=64)
 CRITIC = CFG.replace(value_head=True)
-# keep half the groups (a gather of sharded rows), one mini-batch of 4 rows in one micro-batch
+# keep half the groups (a gather of sharded rows), one mini-batch of 4 rows in one micro-batch;
+# the rollout's budget (3 turns of 3 tokens) puts the head at the reply tokens and packs the
+# rows into shared sequences in the PPO loss (`update.pack_rows`: a gather across shards)
 ALGO = RC.AlgoConfig(adv_estimator="gae", group_size=GROUP_SIZE, rollout_filter_ratio=0.5,
                      ppo_mini_batch_size=4, micro_batch_size=4, online_k=1, actor_lr=1e-2,
-                     critic_lr=1e-2)
+                     critic_lr=1e-2, max_turn=MAX_TURN, response_length=3)
 MESHES = {"8x1x1": (8, 1, 1), "2x4x1": (2, 4, 1), "2x2x2": (2, 2, 2)}
 B, T, CTX, CHUNK = 8, 16, 32, 6
 

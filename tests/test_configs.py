@@ -207,6 +207,7 @@ BAD = {
     "algorithm.entropy_coeff": ["x", "-1"],
     "algorithm.use_kl_loss": ["maybe"],
     "algorithm.shuffle_mini_batches": ["sometimes"],
+    "algorithm.pack_rows": ["yes"],
     "algorithm.kl_loss_coef": ["x", "-1"],
     "algorithm.kl_loss_type": ["k4"],
     "algorithm.use_kl_in_reward": ["maybe"],

@@ -733,3 +733,94 @@ def test_update_trains_on_the_kept_rows_in_fewer_full_minibatches(params, traj):
     assert float(m["trainer/updates_per_batch"]) == 2 and float(m["actor/online_k"]) == 2
     assert_trees_close(new.actor_params, want, rtol=2e-5, atol=1e-6)
     assert int(new.actor_steps) == 2
+
+
+def _next_fit(lengths, T, per_bin):
+    """A slow reference of `pack_rows`' placement: (bin, offset) of each row, and the bins."""
+    at, b, fill, count = [], 0, 0, 0
+    for n in lengths:
+        if n and (fill + n > T or count >= per_bin):
+            b, fill, count = b + 1, 0, 0
+        at.append((b, fill))
+        fill, count = fill + n, count + (n > 0)
+    return at, b + (fill > 0)
+
+
+def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
+    """`pack_rows` on 12 rows of 20 tokens whose last reply tokens lie at random places (two
+    rows without any): each row's tokens through its last reply token sit whole at the place
+    next fit gives (a slow loop), with its own rotary positions (the valid tokens before it in
+    its row), its row as its segment and its loss tokens and per-token inputs alongside; the
+    slots between rows are empty; bins count the sequences used."""
+    rng = np.random.default_rng(7)
+    N, budget = 12, RC.AlgoConfig(max_turn=3, response_length=3)
+    tokens = rng.integers(3, CFG.vocab_size, (N, T)).astype(np.int32)
+    valid = rng.random((N, T)) < 0.9
+    last = rng.integers(2, T, N)
+    last[[3, 8]] = -1  # no reply token
+    loss_mask = (np.arange(T)[None] <= last[:, None]) & (rng.random((N, T)) < 0.4) & valid
+    loss_mask[np.arange(N), np.maximum(last, 0)] = last >= 0
+    loss_mask[last < 0] = False
+    adv = rng.standard_normal((N, T)).astype(np.float32)
+    batch = UP.Batch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid),
+                     loss_mask=jnp.asarray(loss_mask), old_logprobs=jnp.asarray(-adv ** 2),
+                     ref_logprobs=None, old_values=None, advantages=jnp.asarray(adv),
+                     returns=jnp.asarray(adv * 2), positions=jnp.zeros((N, 9), jnp.int32))
+    packed, bins = jax.jit(UP.pack_rows, static_argnums=0)(budget, batch)
+    lengths = [int(n) + 1 for n in last]
+    at, want_bins = _next_fit(lengths, T, UP.ROWS_PER_BIN)
+    assert int(bins) == want_bins < N and packed.segments == N
+    got = {k: np.asarray(getattr(packed, k)) for k in (
+        "tokens", "valid", "loss_mask", "old_logprobs", "advantages", "returns", "turns",
+        "rotary")}
+    used = np.zeros((N, T), bool)
+    for r, ((b, o), n) in enumerate(zip(at, lengths)):
+        s = slice(o, o + n)
+        used[b, s] = True
+        np.testing.assert_array_equal(got["tokens"][b, s], tokens[r, :n])
+        np.testing.assert_array_equal(got["valid"][b, s], valid[r, :n])
+        np.testing.assert_array_equal(got["loss_mask"][b, s], loss_mask[r, :n])
+        np.testing.assert_array_equal(got["advantages"][b, s], adv[r, :n])
+        np.testing.assert_array_equal(got["returns"][b, s], 2 * adv[r, :n])
+        assert (got["turns"][b, s] == r).all()
+        np.testing.assert_array_equal(got["rotary"][b, s],
+                                      np.maximum(np.cumsum(valid[r, :n]) - 1, 0))
+    assert not got["valid"][~used].any() and not got["loss_mask"][~used].any()
+    assert got["loss_mask"].sum() == loss_mask.sum()
+    # the head's positions: each packed loss token, in order
+    want = [np.nonzero(m)[0] for m in got["loss_mask"]]
+    for p, w in zip(np.asarray(packed.positions), want):
+        np.testing.assert_array_equal(p[:len(w)], w)
+
+
+@pytest.mark.parametrize("which", ["grpo token-mean", "grpo seq-mean-token-mean", "ppo"])
+def test_packed_rows_update_equals_one_row_a_sequence(params, traj, which):
+    """The update with multi-turn rows packed into shared sequences (`algorithm.pack_rows`,
+    the head at the reply tokens: 8 rows of up to 18 tokens in a 20-token context) against
+    one row a sequence: every metric and the new weights are the same, for a token mean, a
+    sequence mean (whose row means are summed by segment) and PPO with a critic."""
+    actor0, critic0 = params
+    algo = (PPO if which == "ppo" else GRPO.replace(loss_agg_mode=which.split()[1]))
+    algo = algo.replace(max_turn=MAX_TURN, response_length=3, rollout_filter_ratio=1.0,
+                        ppo_mini_batch_size=8, micro_batch_size=2, online_k=2)
+    lengths = np.asarray(jnp.max(jnp.where(traj.loss_mask, jnp.arange(1, T + 1), 0), axis=1))
+    assert _next_fit(lengths, T, UP.ROWS_PER_BIN)[1] <= 6  # a micro-batch of 2 fewer
+    results = []
+    for pack in (True, False):
+        run = algo.replace(pack_rows=pack)
+        state = UP.init_train_state(run, copy(actor0), copy(critic0) if run.uses_critic
+                                    else None)
+        state = state.replace(step=jnp.ones((), jnp.int32))  # past a critic warm-up
+        update = UP.make_update(run, CFG, CRITIC if run.uses_critic else None,
+                                compiler_options=FAST)
+        results.append(update(state, traj, jax.random.key(3)))
+    (packed_state, packed_m), (rows_state, rows_m) = results
+    assert set(packed_m) == set(rows_m)
+    for name in rows_m:
+        assert float(packed_m[name]) == pytest.approx(float(rows_m[name]), rel=1e-4,
+                                                      abs=1e-6), name
+    assert_trees_close(packed_state.actor_params, rows_state.actor_params, rtol=1e-4,
+                       atol=1e-6)
+    if algo.uses_critic:
+        assert_trees_close(packed_state.critic_params, rows_state.critic_params, rtol=1e-4,
+                           atol=1e-6)
