@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -371,59 +371,124 @@ def packed_hidden(params, cfg: ModelConfig, tokens, valid, positions, share: int
     return hidden[group[:, None], jnp.clip(at, 0, Tp - 1)]
 
 
-ROWS_PER_BIN = 4  # the most rows `pack_rows` puts in one sequence
-
-
-def packs_rows(algo: AlgoConfig, batch: "Batch", share: int) -> bool:
-    """Whether the PPO loss runs a mini-batch's rows packed (`pack_rows`): multi-turn rows
-    whose head runs at their reply positions, under no context window, their prompts not
-    already shared (`loss_share`). Static."""
+def packs_rows(algo: AlgoConfig, positions, share: int = 1) -> bool:
+    """Whether a batch's forwards run its rows packed into shared sequences (`row_plan`):
+    multi-turn rows whose head runs at their reply `positions`, under no context window,
+    their prompts not already shared (`prompt_share`, `loss_share`). Static."""
     return (algo.pack_rows and share == 1 and algo.max_turn > 1 and not algo.context_window
-            and batch.positions is not None)
+            and positions is not None)
 
 
-def pack_rows(algo: AlgoConfig, mb: "Batch") -> tuple["Batch", jax.Array]:
-    """(packed, bins): the N rows of a mini-batch placed whole, in order, into sequences of
-    its length T (next fit: a row starts a new sequence where it does not fit in the current
-    one, or that holds ROWS_PER_BIN rows), each row's tokens through its last reply token (the
-    rest feeds no loss), every token at its own rotary position and seeing its own row alone
-    (`batch_window`): the same per-token numbers as each row's own forward, in `bins` of the
-    N sequences, the rest empty. A row without a reply token takes no room. Multi-turn rows
-    are padded to the batch's longest, so two or more usually share a sequence
-    (docs/gpu_tpu.md)."""
-    N, T = mb.tokens.shape
-    length = jnp.max(jnp.where(mb.loss_mask, jnp.arange(1, T + 1), 0), axis=1)
+class RowPlan(NamedTuple):
+    """Where `row_plan` puts each of N rows of T tokens in N sequences of T: row r's tokens
+    0..length[r]-1 at flat slot start[r] of the [N,T] sequences, the first `bins` of which are
+    used; for each slot, the row and place it holds (`row`, `at`) and whether it holds one."""
 
-    def place(carry, n):
-        b, fill, count = carry
-        new = (n > 0) & ((fill + n > T) | (count >= ROWS_PER_BIN))
-        b, fill, count = (jnp.where(new, b + 1, b), jnp.where(new, 0, fill),
-                          jnp.where(new, 0, count))
-        return (b, fill + n, count + (n > 0)), b * T + fill
+    start: jax.Array
+    length: jax.Array
+    bins: jax.Array
+    row: jax.Array
+    at: jax.Array
+    inside: jax.Array
+
+
+def row_plan(loss_mask, replies: int) -> RowPlan:
+    """Rows placed whole, in order, into sequences of their length T (next fit: a row starts a
+    new sequence where its tokens, or its reply tokens, would take the current one past T, or
+    past `replies`, the most a row has: so the head runs at as many positions a sequence as a
+    row), each row's tokens through its last reply token (the rest feeds no loss); a row
+    without one takes no room. Multi-turn rows are padded to the batch's longest, so two or
+    more usually share a sequence; run each token at its own rotary position, seeing its own
+    row alone (`packed_forward`), they give each row's own numbers in `bins` of the N
+    sequences."""
+    N, T = loss_mask.shape
+    length = jnp.max(jnp.where(loss_mask, jnp.arange(1, T + 1), 0), axis=1).astype(jnp.int32)
+    count = jnp.sum(loss_mask, axis=1, dtype=jnp.int32)
+
+    def place(carry, x):
+        b, fill, held = carry
+        n, c = x
+        new = (n > 0) & ((fill + n > T) | (held + c > replies))
+        b, fill, held = (jnp.where(new, b + 1, b), jnp.where(new, 0, fill),
+                         jnp.where(new, 0, held))
+        return (b, fill + n, held + c), b * T + fill
 
     zero = jnp.zeros((), jnp.int32)
-    (last, fill, _), start = jax.lax.scan(place, (zero, zero, zero), length.astype(jnp.int32))
-    bins = last + (fill > 0)
+    (last, fill, _), start = jax.lax.scan(place, (zero, zero, zero), (length, count))
     slot = jnp.arange(N * T, dtype=jnp.int32).reshape(N, T)
     row = jnp.clip(jnp.searchsorted(start, slot, side="right") - 1, 0, N - 1)
     at = slot - start[row]  # the slot's place in its row
     inside = (at >= 0) & (at < length[row])
-    at = jnp.clip(at, 0, T - 1)
+    return RowPlan(start, length, last + (fill > 0), row, jnp.clip(at, 0, T - 1), inside)
 
-    def take(x):
-        return None if x is None else x[row, at]
 
-    row_pos = jnp.maximum(jnp.cumsum(mb.valid, axis=1, dtype=jnp.int32) - 1, 0)
-    loss_mask = take(mb.loss_mask) & inside
-    size = min(T, ROWS_PER_BIN * algo.max_turn * algo.response_length)
-    packed = Batch(tokens=jnp.where(inside, take(mb.tokens), 0),
-                   valid=take(mb.valid) & inside, loss_mask=loss_mask,
-                   old_logprobs=take(mb.old_logprobs), ref_logprobs=take(mb.ref_logprobs),
-                   old_values=take(mb.old_values), advantages=take(mb.advantages),
-                   returns=take(mb.returns), turns=row, keep=None,
-                   positions=reply_positions(loss_mask, size), rotary=take(row_pos),
-                   segments=N)
-    return packed, bins
+def pack(x, plan: RowPlan):
+    """A per-token array [N,T] of rows in `plan`'s sequences (empty slots: any value)."""
+    return None if x is None else x[plan.row, plan.at]
+
+
+def unpack(y, plan: RowPlan):
+    """A per-token array [N,T] of `plan`'s sequences back in rows (0 past a row's length)."""
+    N, T = y.shape
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    flat = jnp.clip(plan.start[:, None] + t, 0, N * T - 1)
+    return jnp.where(t < plan.length[:, None], y.reshape(-1)[flat], jnp.zeros((), y.dtype))
+
+
+def pack_rows(algo: AlgoConfig, mb: "Batch") -> tuple["Batch", jax.Array]:
+    """(packed, bins): a mini-batch's rows in `row_plan`'s sequences, each token with its row
+    as its segment (`Batch.turns`) and its rotary position in its row, the head's positions
+    those of the packed reply tokens."""
+    replies = packed_replies(algo, mb.tokens.shape[1])
+    plan = row_plan(mb.loss_mask, replies)
+    loss_mask = pack(mb.loss_mask, plan) & plan.inside
+    packed = Batch(tokens=jnp.where(plan.inside, pack(mb.tokens, plan), 0),
+                   valid=pack(mb.valid, plan) & plan.inside, loss_mask=loss_mask,
+                   old_logprobs=pack(mb.old_logprobs, plan),
+                   ref_logprobs=pack(mb.ref_logprobs, plan),
+                   old_values=pack(mb.old_values, plan), advantages=pack(mb.advantages, plan),
+                   returns=pack(mb.returns, plan), turns=plan.row, keep=None,
+                   positions=reply_positions(loss_mask, replies),
+                   rotary=pack(_row_positions(mb.valid), plan), segments=mb.tokens.shape[0])
+    return packed, plan.bins
+
+
+def packed_replies(algo: AlgoConfig, T: int) -> int:
+    """Reply tokens a packed sequence holds at most (`row_plan`): a row's (`head_positions`)."""
+    return min(T, algo.max_turn * algo.response_length)
+
+
+def packed_micro(micro: int) -> int:
+    """Sequences per micro-batch of packed rows: a quarter of `micro` rows (at least 1), so
+    that the micro-batches past the used sequences, which are skipped, save more."""
+    return max(1, micro // 4)
+
+
+def _row_positions(valid):
+    return jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+
+
+def packed_forward(fn, micro: int, replies: int, loss_mask, tokens, valid):
+    """fn(tokens, valid, window, rotary, reply_mask) -> [b,T] per-token outputs, run on rows
+    packed into shared sequences (`row_plan` of `loss_mask`, `replies`) in micro-batches of
+    `packed_micro(micro)` sequences, those past the used ones skipped, and returned [N,T] in
+    rows (0 past a row's last reply token): the old and reference log-probs and the critic's
+    values of multi-turn rows."""
+    plan = row_plan(loss_mask, replies)
+    micro = packed_micro(micro)
+    p_valid = pack(valid, plan) & plan.inside
+    p = (jnp.where(plan.inside, pack(tokens, plan), 0), p_valid, plan.row,
+         pack(_row_positions(valid), plan), pack(loss_mask, plan) & plan.inside)
+
+    def one(xs):
+        i, t, v, seg, rot, m = xs
+        run = lambda: fn(t, v, model_lib.TurnWindow(seg, 1), rot, m)  # noqa: E731
+        skip = lambda: jnp.zeros(jax.eval_shape(run).shape, jax.eval_shape(run).dtype)  # noqa: E731
+        return jax.lax.cond(i * micro < plan.bins, run, skip)
+
+    steps = jnp.arange(tokens.shape[0] // micro, dtype=jnp.int32)
+    out = jax.lax.map(one, (steps,) + micro_split(p, micro))
+    return unpack(out.reshape(tokens.shape[0], -1), plan)
 
 
 def reply_count(loss_mask) -> int:
@@ -473,6 +538,13 @@ def batch_logprobs(algo: AlgoConfig, cfg: ModelConfig, params, rows, positions, 
     log-probs (and what `benchmarks/train_step.py` times)."""
     N, T = rows[0].shape
     share = prompt_share(algo, T, micro) if positions is not None else 1
+    if packs_rows(algo, positions, share):
+        reply = jnp.zeros((N, T + 1), bool).at[jnp.arange(N)[:, None],
+                                                jnp.where(positions > 0, positions, T)].set(True)
+        size = packed_replies(algo, T)
+        return packed_forward(lambda t, v, window, rot, m: token_logprobs(
+            params, cfg, t, v, algo.logit_chunk_size, algo.temperature, window,
+            reply_positions(m, size), 1, rot)[0], micro, size, reply[:, :T], *rows)
     fn = lambda p, t, v, *turns: token_logprobs(  # noqa: E731
         params, cfg, t, v, algo.logit_chunk_size, algo.temperature, turn_window(algo, *turns),
         p, share)[0]
@@ -621,9 +693,10 @@ def _score(algo: AlgoConfig, traj: Trajectory):
 
 
 def _advantages(algo: AlgoConfig, critic_cfg, state, traj: Trajectory, rewards, mask, micro,
-                rows):
+                rows, packed: bool = False):
     """(advantages, returns, critic values or None) of the kept rows by `algo.adv_estimator`;
-    PPO's (with a critic) whitened over the batch."""
+    PPO's (with a critic) whitened over the batch; `packed`: the critic's forward runs the
+    rows packed (`packed_forward`)."""
     if algo.adv_estimator == "grpo":
         advantages, returns = adv_lib.grpo(rewards.sum(axis=1), traj.group_id, mask,
                                            algo.norm_adv_by_std_in_grpo)
@@ -634,8 +707,13 @@ def _advantages(algo: AlgoConfig, critic_cfg, state, traj: Trajectory, rewards, 
             traj.state_hash, traj.group_id, mask, algo.gamma, algo.gigpo_step_advantage_w,
             algo.gigpo_mode, algo.gigpo_episode_over_steps)
         return advantages, returns, None
-    values = _micro_map(lambda t, v, *turns: token_values(
-        state.critic_params, critic_cfg, t, v, turn_window(algo, *turns)), micro, *rows)
+    if packed:
+        values = packed_forward(lambda t, v, window, rot, _: token_values(
+            state.critic_params, critic_cfg, t, v, window, rot), micro,
+            packed_replies(algo, mask.shape[1]), mask, *rows)
+    else:
+        values = _micro_map(lambda t, v, *turns: token_values(
+            state.critic_params, critic_cfg, t, v, turn_window(algo, *turns)), micro, *rows)
     values = jnp.where(mask, values, 0.0)
     if algo.adv_estimator == "gae":
         advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
@@ -685,7 +763,7 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
             rewards = rewards - algo.kl_coef * jnp.where(mask, kl, 0.0)
 
         advantages, returns, values = _advantages(algo, critic_cfg, state, traj, rewards, mask,
-                                                  micro, rows)
+                                                  micro, rows, packs_rows(algo, positions))
         if algo.filter_loss_scaling != "none":  # RAGEN-2: a smaller kept share, smaller steps
             ratio = metrics["rollout/filter_kept_ratio"]
             advantages = advantages * (ratio if algo.filter_loss_scaling == "linear"
@@ -800,8 +878,9 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         start = {"actor": zeros(actor_params, actor_names)}
         if critic_with_actor:
             start["critic"] = zeros(critic_params, critic_names)
-        if packs_rows(algo, mb, share):  # micro-batches of packed rows; the empty ones skipped
+        if packs_rows(algo, mb.positions, share):  # packed micro-batches; the empty skipped
             packed, bins = pack_rows(algo, mb)
+            micro = packed_micro(micro)
 
             def add_packed(acc, xs):
                 i, m = xs

@@ -735,40 +735,43 @@ def test_update_trains_on_the_kept_rows_in_fewer_full_minibatches(params, traj):
     assert int(new.actor_steps) == 2
 
 
-def _next_fit(lengths, T, per_bin):
-    """A slow reference of `pack_rows`' placement: (bin, offset) of each row, and the bins."""
-    at, b, fill, count = [], 0, 0, 0
-    for n in lengths:
-        if n and (fill + n > T or count >= per_bin):
-            b, fill, count = b + 1, 0, 0
+def _next_fit(lengths, replies, T, most):
+    """A slow reference of `row_plan`'s placement: (sequence, offset) of each row, and the
+    sequences used."""
+    at, b, fill, held = [], 0, 0, 0
+    for n, c in zip(lengths, replies):
+        if n and (fill + n > T or held + c > most):
+            b, fill, held = b + 1, 0, 0
         at.append((b, fill))
-        fill, count = fill + n, count + (n > 0)
+        fill, held = fill + n, held + c
     return at, b + (fill > 0)
 
 
 def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
-    """`pack_rows` on 12 rows of 20 tokens whose last reply tokens lie at random places (two
-    rows without any): each row's tokens through its last reply token sit whole at the place
-    next fit gives (a slow loop), with its own rotary positions (the valid tokens before it in
-    its row), its row as its segment and its loss tokens and per-token inputs alongside; the
-    slots between rows are empty; bins count the sequences used."""
+    """`pack_rows` on 12 rows of 20 tokens with 1-6 reply tokens at random places (two rows
+    without any), a row's budget 9 (3 turns of 3): each row's tokens through its last reply
+    token sit whole at the place next fit gives (a slow loop: a new sequence where the tokens
+    pass 20 or the reply tokens 9), with its own rotary positions (the valid tokens before it
+    in its row), its row as its segment and its loss tokens and per-token inputs alongside;
+    the slots between rows are empty; bins count the sequences used."""
     rng = np.random.default_rng(7)
     N, budget = 12, RC.AlgoConfig(max_turn=3, response_length=3)
     tokens = rng.integers(3, CFG.vocab_size, (N, T)).astype(np.int32)
     valid = rng.random((N, T)) < 0.9
-    last = rng.integers(2, T, N)
-    last[[3, 8]] = -1  # no reply token
-    loss_mask = (np.arange(T)[None] <= last[:, None]) & (rng.random((N, T)) < 0.4) & valid
-    loss_mask[np.arange(N), np.maximum(last, 0)] = last >= 0
-    loss_mask[last < 0] = False
+    loss_mask = np.zeros((N, T), bool)
+    for r in range(N):
+        if r not in (3, 8):  # no reply token
+            last = int(rng.integers(6, T))
+            loss_mask[r, rng.choice(np.arange(1, last), int(rng.integers(0, 6)), replace=False)] = True
+            loss_mask[r, last] = True
     adv = rng.standard_normal((N, T)).astype(np.float32)
     batch = UP.Batch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid),
                      loss_mask=jnp.asarray(loss_mask), old_logprobs=jnp.asarray(-adv ** 2),
                      ref_logprobs=None, old_values=None, advantages=jnp.asarray(adv),
                      returns=jnp.asarray(adv * 2), positions=jnp.zeros((N, 9), jnp.int32))
     packed, bins = jax.jit(UP.pack_rows, static_argnums=0)(budget, batch)
-    lengths = [int(n) + 1 for n in last]
-    at, want_bins = _next_fit(lengths, T, UP.ROWS_PER_BIN)
+    lengths = [int(np.max(np.nonzero(m)[0], initial=-1)) + 1 for m in loss_mask]
+    at, want_bins = _next_fit(lengths, loss_mask.sum(1), T, 9)
     assert int(bins) == want_bins < N and packed.segments == N
     got = {k: np.asarray(getattr(packed, k)) for k in (
         "tokens", "valid", "loss_mask", "old_logprobs", "advantages", "returns", "turns",
@@ -791,20 +794,29 @@ def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
     want = [np.nonzero(m)[0] for m in got["loss_mask"]]
     for p, w in zip(np.asarray(packed.positions), want):
         np.testing.assert_array_equal(p[:len(w)], w)
+    # and back: a per-token output of the sequences, in rows (0 past a row's last reply)
+    plan = jax.jit(UP.row_plan, static_argnums=1)(batch.loss_mask, 9)
+    back = np.asarray(UP.unpack(UP.pack(batch.advantages, plan), plan))
+    np.testing.assert_array_equal(back, np.where(np.arange(T) < np.asarray(lengths)[:, None],
+                                                 adv, 0))
 
 
 @pytest.mark.parametrize("which", ["grpo token-mean", "grpo seq-mean-token-mean", "ppo"])
 def test_packed_rows_update_equals_one_row_a_sequence(params, traj, which):
     """The update with multi-turn rows packed into shared sequences (`algorithm.pack_rows`,
-    the head at the reply tokens: 8 rows of up to 18 tokens in a 20-token context) against
-    one row a sequence: every metric and the new weights are the same, for a token mean, a
-    sequence mean (whose row means are summed by segment) and PPO with a critic."""
+    the head at the reply tokens: 8 rows of up to 14 tokens and 8 reply tokens in a 20-token
+    context, a budget of 3 turns of 5 reply tokens: 6 sequences) against one row a sequence: every metric and the new weights are the same, for
+    a token mean, a sequence mean (whose row means are summed by segment) and PPO with a
+    critic; the old log-probs and the critic's values run packed too (`packed_forward`).
+    (Rotary embeddings are relative, so a row's positions shifted as a whole would pass here
+    too, to rounding: the positions themselves are checked above.)"""
     actor0, critic0 = params
     algo = (PPO if which == "ppo" else GRPO.replace(loss_agg_mode=which.split()[1]))
-    algo = algo.replace(max_turn=MAX_TURN, response_length=3, rollout_filter_ratio=1.0,
+    algo = algo.replace(max_turn=MAX_TURN, response_length=5, rollout_filter_ratio=1.0,
                         ppo_mini_batch_size=8, micro_batch_size=2, online_k=2)
     lengths = np.asarray(jnp.max(jnp.where(traj.loss_mask, jnp.arange(1, T + 1), 0), axis=1))
-    assert _next_fit(lengths, T, UP.ROWS_PER_BIN)[1] <= 6  # a micro-batch of 2 fewer
+    replies = np.asarray(traj.loss_mask).sum(1)
+    assert _next_fit(lengths, replies, T, 15)[1] == 6  # of 8 sequences, micro-batches of 1
     results = []
     for pack in (True, False):
         run = algo.replace(pack_rows=pack)
