@@ -94,9 +94,9 @@ ALGORITHM = dict(
     # group's prompt then runs once in the PPO loss too: docs/differences.md); a mini-batch
     # of every row is taken in order either way
     shuffle_mini_batches=True,
-    # multi-turn rows (padded to the batch's longest) packed several to a sequence in the PPO
-    # loss, each seeing its own tokens alone: the same numbers in fewer forwards
-    # (`update.pack_rows`, docs/gpu_tpu.md); False: one row a sequence
+    # multi-turn rows (padded to the batch's longest) packed several to a sequence in the
+    # update's forwards, each seeing its own tokens alone: the same numbers in fewer forwards
+    # (`update.row_plan`, docs/gpu_tpu.md); False: one row a sequence
     pack_rows=True,
     # tokens per chunk of the log-prob head (0 = the whole sequence): [rows, 64, vocab] float32
     # logits at a time instead of [rows, T, vocab], recomputed in the backward pass (docs/gpu_tpu.md)

@@ -393,33 +393,33 @@ class RowPlan(NamedTuple):
 
 
 def row_plan(loss_mask, replies: int) -> RowPlan:
-    """Rows placed whole, in order, into sequences of their length T (next fit: a row starts a
-    new sequence where its tokens, or its reply tokens, would take the current one past T, or
-    past `replies`, the most a row has: so the head runs at as many positions a sequence as a
-    row), each row's tokens through its last reply token (the rest feeds no loss); a row
-    without one takes no room. Multi-turn rows are padded to the batch's longest, so two or
-    more usually share a sequence; run each token at its own rotary position, seeing its own
-    row alone (`packed_forward`), they give each row's own numbers in `bins` of the N
-    sequences."""
+    """Rows placed whole into sequences of their length T, first fit in row order: each row in
+    the first sequence where its tokens, and its reply tokens, still fit within T and within
+    `replies`, the most a row has (so the head runs at as many positions a sequence as a row);
+    a row's tokens through its last reply token (the rest feeds no loss); a row without one
+    takes no room. A sequence's rows are in row order. Multi-turn rows are padded to the
+    batch's longest, so two or more usually share a sequence; run each token at its own rotary
+    position, seeing its own row alone (`packed_forward`), they give each row's own numbers in
+    `bins` of the N sequences."""
     N, T = loss_mask.shape
     length = jnp.max(jnp.where(loss_mask, jnp.arange(1, T + 1), 0), axis=1).astype(jnp.int32)
     count = jnp.sum(loss_mask, axis=1, dtype=jnp.int32)
 
     def place(carry, x):
-        b, fill, held = carry
+        fill, held = carry  # [N] each: a sequence's tokens and reply tokens so far
         n, c = x
-        new = (n > 0) & ((fill + n > T) | (held + c > replies))
-        b, fill, held = (jnp.where(new, b + 1, b), jnp.where(new, 0, fill),
-                         jnp.where(new, 0, held))
-        return (b, fill + n, held + c), b * T + fill
+        b = jnp.argmax((fill + n <= T) & ((held + c <= replies) | (held == 0)))
+        at = b * T + fill[b]
+        return (fill.at[b].add(n), held.at[b].add(c)), jnp.where(n > 0, at, N * T)
 
-    zero = jnp.zeros((), jnp.int32)
-    (last, fill, _), start = jax.lax.scan(place, (zero, zero, zero), (length, count))
+    zero = jnp.zeros(N, jnp.int32)
+    (fill, _), start = jax.lax.scan(place, (zero, zero), (length, count))
+    order = jnp.argsort(start, stable=True)  # the rows by where they start
     slot = jnp.arange(N * T, dtype=jnp.int32).reshape(N, T)
-    row = jnp.clip(jnp.searchsorted(start, slot, side="right") - 1, 0, N - 1)
+    row = order[jnp.clip(jnp.searchsorted(start[order], slot, side="right") - 1, 0, N - 1)]
     at = slot - start[row]  # the slot's place in its row
     inside = (at >= 0) & (at < length[row])
-    return RowPlan(start, length, last + (fill > 0), row, jnp.clip(at, 0, T - 1), inside)
+    return RowPlan(start, length, jnp.sum(fill > 0), row, jnp.clip(at, 0, T - 1), inside)
 
 
 def pack(x, plan: RowPlan):
@@ -459,9 +459,11 @@ def packed_replies(algo: AlgoConfig, T: int) -> int:
 
 
 def packed_micro(micro: int) -> int:
-    """Sequences per micro-batch of packed rows: a quarter of `micro` rows (at least 1), so
-    that the micro-batches past the used sequences, which are skipped, save more."""
-    return max(1, micro // 4)
+    """Sequences per micro-batch of packed rows. On a CPU a quarter of `micro` rows (at least
+    1), so that the micro-batches past the used sequences, which are skipped, save more; on an
+    accelerator `micro`, as sized for its memory (a quarter would leave its kernels a quarter
+    of the tokens each)."""
+    return max(1, micro // 4) if jax.default_backend() == "cpu" else micro
 
 
 def _row_positions(valid):
@@ -482,9 +484,13 @@ def packed_forward(fn, micro: int, replies: int, loss_mask, tokens, valid):
 
     def one(xs):
         i, t, v, seg, rot, m = xs
-        run = lambda: fn(t, v, model_lib.TurnWindow(seg, 1), rot, m)  # noqa: E731
-        skip = lambda: jnp.zeros(jax.eval_shape(run).shape, jax.eval_shape(run).dtype)  # noqa: E731
-        return jax.lax.cond(i * micro < plan.bins, run, skip)
+
+        def run():
+            return fn(t, v, model_lib.TurnWindow(seg, 1), rot, m)
+
+        out = jax.eval_shape(run)
+        return jax.lax.cond(i * micro < plan.bins, run,
+                            lambda: jnp.zeros(out.shape, out.dtype))
 
     steps = jnp.arange(tokens.shape[0] // micro, dtype=jnp.int32)
     out = jax.lax.map(one, (steps,) + micro_split(p, micro))

@@ -735,25 +735,33 @@ def test_update_trains_on_the_kept_rows_in_fewer_full_minibatches(params, traj):
     assert int(new.actor_steps) == 2
 
 
-def _next_fit(lengths, replies, T, most):
+def _first_fit(lengths, replies, T, most):
     """A slow reference of `row_plan`'s placement: (sequence, offset) of each row, and the
     sequences used."""
-    at, b, fill, held = [], 0, 0, 0
+    at, fill, held = [], [], []
     for n, c in zip(lengths, replies):
-        if n and (fill + n > T or held + c > most):
-            b, fill, held = b + 1, 0, 0
-        at.append((b, fill))
-        fill, held = fill + n, held + c
-    return at, b + (fill > 0)
+        if not n:
+            at.append(None)
+            continue
+        b = next((i for i in range(len(fill)) if fill[i] + n <= T and held[i] + c <= most),
+                 len(fill))
+        if b == len(fill):
+            fill.append(0)
+            held.append(0)
+        at.append((b, fill[b]))
+        fill[b] += n
+        held[b] += c
+    return at, len(fill)
 
 
 def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
-    """`pack_rows` on 12 rows of 20 tokens with 1-6 reply tokens at random places (two rows
-    without any), a row's budget 9 (3 turns of 3): each row's tokens through its last reply
-    token sit whole at the place next fit gives (a slow loop: a new sequence where the tokens
-    pass 20 or the reply tokens 9), with its own rotary positions (the valid tokens before it
-    in its row), its row as its segment and its loss tokens and per-token inputs alongside;
-    the slots between rows are empty; bins count the sequences used."""
+    """`pack_rows` on 12 rows of 20 tokens with 1-6 reply tokens at random places up to
+    token 11 (two rows without any), a row's budget 9 (3 turns of 3): each row's tokens
+    through its last reply token sit whole at the place first fit gives (a slow loop: the
+    first sequence where the tokens stay within 20 and the reply tokens within 9; here some
+    rows go back to an earlier sequence), with its own rotary positions (the valid tokens
+    before it in its row), its row as its segment and its loss tokens and per-token inputs
+    alongside; the slots between rows are empty; bins count the sequences used."""
     rng = np.random.default_rng(7)
     N, budget = 12, RC.AlgoConfig(max_turn=3, response_length=3)
     tokens = rng.integers(3, CFG.vocab_size, (N, T)).astype(np.int32)
@@ -761,8 +769,9 @@ def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
     loss_mask = np.zeros((N, T), bool)
     for r in range(N):
         if r not in (3, 8):  # no reply token
-            last = int(rng.integers(6, T))
-            loss_mask[r, rng.choice(np.arange(1, last), int(rng.integers(0, 6)), replace=False)] = True
+            last = int(rng.integers(6, 12))
+            some = rng.choice(np.arange(1, last), int(rng.integers(0, 6)), replace=False)
+            loss_mask[r, some] = True
             loss_mask[r, last] = True
     adv = rng.standard_normal((N, T)).astype(np.float32)
     batch = UP.Batch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid),
@@ -771,13 +780,18 @@ def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
                      returns=jnp.asarray(adv * 2), positions=jnp.zeros((N, 9), jnp.int32))
     packed, bins = jax.jit(UP.pack_rows, static_argnums=0)(budget, batch)
     lengths = [int(np.max(np.nonzero(m)[0], initial=-1)) + 1 for m in loss_mask]
-    at, want_bins = _next_fit(lengths, loss_mask.sum(1), T, 9)
-    assert int(bins) == want_bins < N and packed.segments == N
+    at, want_bins = _first_fit(lengths, loss_mask.sum(1), T, 9)
+    assert int(bins) == want_bins == 8 and packed.segments == N  # 10 rows with a reply
+    placed = [p[0] for p in at if p is not None]
+    assert any(b < max(placed[:i]) for i, b in enumerate(placed) if i)  # not next fit
     got = {k: np.asarray(getattr(packed, k)) for k in (
         "tokens", "valid", "loss_mask", "old_logprobs", "advantages", "returns", "turns",
         "rotary")}
     used = np.zeros((N, T), bool)
-    for r, ((b, o), n) in enumerate(zip(at, lengths)):
+    for r, (place, n) in enumerate(zip(at, lengths)):
+        if place is None:
+            continue
+        b, o = place
         s = slice(o, o + n)
         used[b, s] = True
         np.testing.assert_array_equal(got["tokens"][b, s], tokens[r, :n])
@@ -805,9 +819,10 @@ def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
 def test_packed_rows_update_equals_one_row_a_sequence(params, traj, which):
     """The update with multi-turn rows packed into shared sequences (`algorithm.pack_rows`,
     the head at the reply tokens: 8 rows of up to 14 tokens and 8 reply tokens in a 20-token
-    context, a budget of 3 turns of 5 reply tokens: 6 sequences) against one row a sequence: every metric and the new weights are the same, for
-    a token mean, a sequence mean (whose row means are summed by segment) and PPO with a
-    critic; the old log-probs and the critic's values run packed too (`packed_forward`).
+    context, a budget of 3 turns of 5 reply tokens: 6 sequences) against one row a sequence:
+    every metric and the new weights are the same, for a token mean, a sequence mean (whose
+    row means are summed by segment) and PPO with a critic; the old log-probs and the
+    critic's values run packed too (`packed_forward`).
     (Rotary embeddings are relative, so a row's positions shifted as a whole would pass here
     too, to rounding: the positions themselves are checked above.)"""
     actor0, critic0 = params
@@ -816,7 +831,7 @@ def test_packed_rows_update_equals_one_row_a_sequence(params, traj, which):
                         ppo_mini_batch_size=8, micro_batch_size=2, online_k=2)
     lengths = np.asarray(jnp.max(jnp.where(traj.loss_mask, jnp.arange(1, T + 1), 0), axis=1))
     replies = np.asarray(traj.loss_mask).sum(1)
-    assert _next_fit(lengths, replies, T, 15)[1] == 6  # of 8 sequences, micro-batches of 1
+    assert _first_fit(lengths, replies, T, 15)[1] == 6  # of 8 sequences, micro-batches of 1
     results = []
     for pack in (True, False):
         run = algo.replace(pack_rows=pack)
