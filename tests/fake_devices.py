@@ -5,12 +5,14 @@ XLA:CPU runs each fake device's part of a program on a thread of its own, and a 
 thread that arrives too late aborts the whole process. Now and then a run stalls for good at a
 rendezvous, a thread lost rather than late: with a 600 s limit the 8-device run once took 715 s
 inside the suite against 42 s alone; with 180 s it cost 263 s of a 686 s suite (this project's
-Xeon, jax 0.10.2). It never came in nine runs alone or beside a busy core, and most likely
+Xeon, jax 0.10.2). It came in none of nine runs alone or beside a busy core there (on the Zen
+5 EPYC later, in half of ten runs alone: below), and most likely
 came to the multi-process tests' 4-device reference run, run alone (its set-up 101 s against
 18-34 s) with Eigen's intra-op thread pool off (`--xla_cpu_multi_thread_eigen=false`, a cure
 for other XLA:CPU wedges), so that flag is not set. What is set, where the
 installed XLA knows it (jaxlib 0.7's limit is a fixed 10 s): a 60 s limit, far above any real
-lateness of these tiny programs, so a stall costs a minute before the one retry, not three.
+lateness of these tiny programs, so a stall costs a minute before the one retry, not three;
+and, since its cause was found, a larger thread pool.
 
 What the stall is (a stack dump of a stalled 8-device run, `gdb -p PID -batch -ex "thread
 apply all bt"`): XLA:CPU runs each device's part of a program on one pool of threads, as many
