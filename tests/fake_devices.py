@@ -6,7 +6,7 @@ thread that arrives too late aborts the whole process. Now and then a run stalls
 rendezvous, a thread lost rather than late: with a 600 s limit the 8-device run once took 715 s
 inside the suite against 42 s alone; with 180 s it cost 263 s of a 686 s suite (this project's
 Xeon, jax 0.10.2). It came in none of nine runs alone or beside a busy core there (on the Zen
-5 EPYC later, in half of ten runs alone: below), and most likely
+5 EPYC later, in half of ten runs: below), and most likely
 came to the multi-process tests' 4-device reference run, run alone (its set-up 101 s against
 18-34 s) with Eigen's intra-op thread pool off (`--xla_cpu_multi_thread_eigen=false`, a cure
 for other XLA:CPU wedges), so that flag is not set. What is set, where the
@@ -23,8 +23,9 @@ waits; in the dump 4 threads waited so, 4 waited at an all-reduce's rendezvous, 
 more likely the more the process lags behind its own dispatch, so on a busy machine. The pool
 takes its size from PJRT_NPROC where set, so these processes get PJRT_NPROC_FAKE threads (a
 user's setting kept). `python -m tests.mesh_equivalence` alone, 10 runs with PJRT_NPROC=32
-alternated with 10 without, on this project's 2-core Zen 5 EPYC, idle but for them: no stall
-in 20-25 s against 5 stalls of 10 (each aborted after 93-95 s; the others 23-25 s).
+alternated with 10 without, on this project's 2-core Zen 5 EPYC beside a training run at
+nice 19: no stall in 20-25 s against 5 stalls of 10 (each aborted after 93-95 s; the others
+23-25 s).
 """
 
 import functools
