@@ -353,7 +353,7 @@ def packed_hidden(params, cfg: ModelConfig, tokens, valid, positions, share: int
     src_slot = jnp.where(in_prompt, s, start[:, None] + (s - start[:, None]) % K)
     inside = (s < start[:, None] + G * K) & (src_slot < T)
     src_slot = jnp.minimum(src_slot, T - 1)
-    row_pos = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+    row_pos = _row_positions(valid)
     p_tokens = tokens[src_row, src_slot]
     p_valid = valid[src_row, src_slot] & inside
     p_pos = row_pos[src_row, src_slot]
@@ -441,16 +441,22 @@ def pack_rows(algo: AlgoConfig, mb: "Batch") -> tuple["Batch", jax.Array]:
     those of the packed reply tokens."""
     replies = packed_replies(algo, mb.tokens.shape[1])
     plan = row_plan(mb.loss_mask, replies)
-    loss_mask = pack(mb.loss_mask, plan) & plan.inside
-    packed = Batch(tokens=jnp.where(plan.inside, pack(mb.tokens, plan), 0),
-                   valid=pack(mb.valid, plan) & plan.inside, loss_mask=loss_mask,
+    tokens, valid, rotary, loss_mask = _packed_rows(plan, mb.tokens, mb.valid, mb.loss_mask)
+    packed = Batch(tokens=tokens, valid=valid, loss_mask=loss_mask,
                    old_logprobs=pack(mb.old_logprobs, plan),
                    ref_logprobs=pack(mb.ref_logprobs, plan),
                    old_values=pack(mb.old_values, plan), advantages=pack(mb.advantages, plan),
                    returns=pack(mb.returns, plan), turns=plan.row, keep=None,
-                   positions=reply_positions(loss_mask, replies),
-                   rotary=pack(_row_positions(mb.valid), plan), segments=mb.tokens.shape[0])
+                   positions=reply_positions(loss_mask, replies), rotary=rotary,
+                   segments=mb.tokens.shape[0])
     return packed, plan.bins
+
+
+def _packed_rows(plan: RowPlan, tokens, valid, loss_mask):
+    """(tokens, valid, rotary positions, loss mask) of rows in `plan`'s sequences; the empty
+    slots hold no valid or loss token."""
+    return (jnp.where(plan.inside, pack(tokens, plan), 0), pack(valid, plan) & plan.inside,
+            pack(_row_positions(valid), plan), pack(loss_mask, plan) & plan.inside)
 
 
 def packed_replies(algo: AlgoConfig, T: int) -> int:
@@ -478,9 +484,7 @@ def packed_forward(fn, micro: int, replies: int, loss_mask, tokens, valid):
     values of multi-turn rows."""
     plan = row_plan(loss_mask, replies)
     micro = packed_micro(micro)
-    p_valid = pack(valid, plan) & plan.inside
-    p = (jnp.where(plan.inside, pack(tokens, plan), 0), p_valid, plan.row,
-         pack(_row_positions(valid), plan), pack(loss_mask, plan) & plan.inside)
+    p_tokens, p_valid, rotary, p_mask = _packed_rows(plan, tokens, valid, loss_mask)
 
     def one(xs):
         i, t, v, seg, rot, m = xs
@@ -493,7 +497,8 @@ def packed_forward(fn, micro: int, replies: int, loss_mask, tokens, valid):
                             lambda: jnp.zeros(out.shape, out.dtype))
 
     steps = jnp.arange(tokens.shape[0] // micro, dtype=jnp.int32)
-    out = jax.lax.map(one, (steps,) + micro_split(p, micro))
+    out = jax.lax.map(one, (steps,) + micro_split((p_tokens, p_valid, plan.row, rotary, p_mask),
+                                                  micro))
     return unpack(out.reshape(tokens.shape[0], -1), plan)
 
 
@@ -886,15 +891,15 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
             start["critic"] = zeros(critic_params, critic_names)
         if packs_rows(algo, mb.positions, share):  # packed micro-batches; the empty skipped
             packed, bins = pack_rows(algo, mb)
-            micro = packed_micro(micro)
+            seqs = packed_micro(micro)
 
             def add_packed(acc, xs):
                 i, m = xs
-                return jax.lax.cond(i * micro < bins, lambda a: add_micro(a, m)[0],
+                return jax.lax.cond(i * seqs < bins, lambda a: add_micro(a, m)[0],
                                     lambda a: a, acc), None
 
-            steps = jnp.arange(rows // micro, dtype=jnp.int32)
-            total, _ = jax.lax.scan(add_packed, start, (steps, micro_split(packed, micro)))
+            steps = jnp.arange(rows // seqs, dtype=jnp.int32)
+            total, _ = jax.lax.scan(add_packed, start, (steps, micro_split(packed, seqs)))
         else:
             total, _ = jax.lax.scan(add_micro, start, micro_split(mb, actor_micro))
         if algo.uses_critic and not critic_with_actor:  # its own micro-batches
