@@ -108,7 +108,8 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
     ratio). Metrics: `rollout/in_group_std` (mean over all groups), `rollout/chosen_in_group_std`
     (mean over kept groups), `rollout/kept_groups`, `rollout/batch_std` (unbiased std of the
     whole batch's rewards: the spread to watch when every group is a single episode) and
-    RAGEN-2's `rollout/filter_kept_ratio` (K / G).
+    RAGEN-2's `rollout/filter_kept_ratio` (K / G) and `rollout/filter_zero_count` (the groups
+    whose ranking scores are all equal: no GRPO advantage, kept or not; every group of one).
     """
     B = score.shape[0]
     if B % group_size:
@@ -116,10 +117,10 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
     G = B // group_size
     K = kept_groups(G, ratio)
     std = in_group_std(score, group_size)
+    rank = std if rank_by is None else in_group_std(rank_by, group_size)
     if K == G:  # nothing to drop: skip the gather entirely
         groups = jnp.arange(G, dtype=jnp.int32)
     else:
-        rank = std if rank_by is None else in_group_std(rank_by, group_size)
         groups = select_groups(rank, K, filter_type)
     rows = (groups[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
     metrics = {
@@ -128,6 +129,7 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
         "rollout/kept_groups": jnp.float32(K),
         "rollout/batch_std": jnp.std(score, ddof=1) if B > 1 else jnp.float32(0.0),
         "rollout/filter_kept_ratio": jnp.float32(K / G),
+        "rollout/filter_zero_count": (jnp.abs(rank) <= ZERO_STD).sum().astype(jnp.float32),
     }
     return rows.astype(jnp.int32), metrics
 

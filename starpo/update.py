@@ -1102,7 +1102,7 @@ def make_update(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConfi
     a KL term. Layer rematerialisation follows `actor_cfg.remat` / `critic_cfg.remat`.
     Metrics (float32 scalars; actor/critic ones are means over the k updates):
       rollout/in_group_std, rollout/chosen_in_group_std, rollout/kept_groups,
-      rollout/batch_std, rollout/filter_kept_ratio and rollout/filter_zero_count (top_p),
+      rollout/batch_std, rollout/filter_kept_ratio, rollout/filter_zero_count,
       actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy,
       actor/loss, actor/kl_loss (use_kl_loss), actor/ref_kl (with a reference), actor/grad_norm,
       actor/lr, actor/sampler_logprob_gap, actor/sampler_logprob_abs_gap,

@@ -57,6 +57,8 @@ def test_ties_go_to_the_lower_group_index(kind):
         assert float(metrics["rollout/in_group_std"]) == pytest.approx(in_std, rel=1e-5)
         assert float(metrics["rollout/chosen_in_group_std"]) == pytest.approx(chosen_std,
                                                                               rel=1e-5, abs=1e-7)
+        # groups 0 and 5 score alike throughout: no GRPO advantage there, kept or not
+        assert float(metrics["rollout/filter_zero_count"]) == 2
     # spelled out once: the top 2 by std are group 2 (std 0.577) then group 1 (the first of the
     # tied 1/3/4); the bottom 2 are groups 0 and 5 (std 0)
     rows, _ = filter_rows(jnp.asarray(score), 4, 2 / 6, kind)
@@ -90,6 +92,7 @@ def test_single_episode_groups_keep_everything_and_report_the_batch_spread():
     rows, metrics = filter_rows(jnp.asarray(score), 1, 1.0, "std")
     assert np.asarray(rows).tolist() == list(range(12))
     assert float(metrics["rollout/in_group_std"]) == 0.0  # a group of one has no spread
+    assert float(metrics["rollout/filter_zero_count"]) == 12
     want = np.sqrt(((score - score.mean()) ** 2).sum() / 11)  # the unbiased batch std
     assert float(metrics["rollout/batch_std"]) == pytest.approx(want, rel=1e-5)
 

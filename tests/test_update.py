@@ -243,7 +243,8 @@ def test_critic_warmup_then_actor_updates(params, traj, ppo_update):
     assert float(m2["rollout/kept_groups"]) == 2
     expected = {
         "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/kept_groups",
-        "rollout/batch_std", "rollout/filter_kept_ratio", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+        "rollout/batch_std", "rollout/filter_kept_ratio", "rollout/filter_zero_count",
+        "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
         "actor/entropy", "actor/loss", "actor/grad_norm", "actor/lr",
         "actor/sampler_logprob_gap", "actor/sampler_logprob_abs_gap",
         "actor/sampler_logprob_max_abs_gap", "actor/sampler_kl", "actor/online_k",
