@@ -30,6 +30,9 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
     """Host-side scalars of one rollout (`traj`, `metrics` may be device or numpy arrays).
 
     success / pass@k (k = group_size: a group passes if any of its episodes succeeded) /
+    pass^k (k = group_size > 1 only: the share of groups whose every episode succeeded; so
+    1 - pass@k of the groups all failed, and the rest, pass@k - pass^k, are the groups whose
+    episodes differ, the only ones where GRPO's advantage is not zero) /
     score (trajectory reward: turn rewards + format penalty) / num_actions / action_is_valid /
     action_is_effective / num_turns / format_errors / truncated / response_length /
     context_used / context_used_max, each a mean over episodes unless named otherwise.
@@ -53,6 +56,8 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
         "context_used_max": np.max(m["context_used"]),
         "generated_tokens": np.sum(m["response_length"]),
     }
+    if group_size > 1:
+        out[f"pass^{group_size}"] = groups.min(axis=1).mean()
     return {k: float(v) for k, v in out.items()}
 
 

@@ -207,3 +207,24 @@ def test_collapse_detector_state_dict_round_trip():
     resumed.load_state_dict(saved)
     got += [resumed.update(s, e) for s, e in zip(std[22:], ent[22:])]
     assert got == expected
+
+
+def test_episode_summaries_count_groups_all_passed_and_any_passed():
+    """pass@k and pass^k of three groups of four, against counts made by hand: group 0 all
+    succeed, group 1 one of four, group 2 none: pass@4 = 2/3, pass^4 = 1/3 (so one group of
+    three is mixed, the only one with a GRPO signal); groups of one report no pass^1."""
+    from types import SimpleNamespace
+
+    from starpo import evaluate
+
+    success = np.array([1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0], bool)
+    n = len(success)
+    traj = SimpleNamespace(success=success, turn_reward=success[:, None].astype(np.float32),
+                           penalty=np.zeros(n, np.float32), num_actions=np.ones(n))
+    per_row = {k: np.zeros(n) for k in ("action_is_valid", "action_is_effective", "num_turns",
+                                        "format_errors", "truncated", "response_length",
+                                        "context_used")}
+    s = evaluate.summarize(traj, per_row, 4)
+    assert s["success"] == pytest.approx(5 / 12)
+    assert s["pass@4"] == pytest.approx(2 / 3) and s["pass^4"] == pytest.approx(1 / 3)
+    assert "pass^1" not in evaluate.summarize(traj, per_row, 1)
