@@ -96,7 +96,7 @@ ALGORITHM = dict(
     shuffle_mini_batches=True,
     # multi-turn rows (padded to the batch's longest) packed several to a sequence in the
     # update's forwards, each seeing its own tokens alone: the same numbers in fewer forwards
-    # (`update.row_plan`, docs/gpu_tpu.md); False: one row a sequence
+    # (`packing.row_plan`, docs/gpu_tpu.md); False: one row a sequence
     pack_rows=True,
     # tokens per chunk of the log-prob head (0 = the whole sequence): [rows, 64, vocab] float32
     # logits at a time instead of [rows, T, vocab], recomputed in the backward pass (docs/gpu_tpu.md)

@@ -169,7 +169,7 @@ class AlgoConfig:
     # prompt runs once in the PPO loss too (`update.static_loss_share`); a mini-batch of every
     # row is taken in order either way
     shuffle_mini_batches: bool = True
-    # the update's forwards pack multi-turn rows several to a sequence (`update.row_plan`)
+    # the update's forwards pack multi-turn rows several to a sequence (`packing.row_plan`)
     pack_rows: bool = True
     # tokens per chunk of the log-prob head; 0 = the whole sequence. Float32 logits of 64
     # tokens at a time (recomputed in the backward pass) rather than of whole rows: Qwen2.5-0.5B

@@ -32,7 +32,7 @@ import optax
 from flax import struct
 
 from starpo import advantages as adv_lib
-from starpo import filtering, lora, losses
+from starpo import filtering, lora, losses, packing
 from starpo import model as model_lib
 from starpo import sharding
 from starpo.model import ModelConfig
@@ -353,7 +353,7 @@ def packed_hidden(params, cfg: ModelConfig, tokens, valid, positions, share: int
     src_slot = jnp.where(in_prompt, s, start[:, None] + (s - start[:, None]) % K)
     inside = (s < start[:, None] + G * K) & (src_slot < T)
     src_slot = jnp.minimum(src_slot, T - 1)
-    row_pos = _row_positions(valid)
+    row_pos = packing.row_positions(valid)
     p_tokens = tokens[src_row, src_slot]
     p_valid = valid[src_row, src_slot] & inside
     p_pos = row_pos[src_row, src_slot]
@@ -371,120 +371,34 @@ def packed_hidden(params, cfg: ModelConfig, tokens, valid, positions, share: int
     return hidden[group[:, None], jnp.clip(at, 0, Tp - 1)]
 
 
-def packs_rows(algo: AlgoConfig, positions, share: int = 1) -> bool:
-    """Whether a batch's forwards run its rows packed into shared sequences (`row_plan`):
-    multi-turn rows whose head runs at their reply `positions`, under no context window,
-    their prompts not already shared (`prompt_share`, `loss_share`). Static."""
-    return (algo.pack_rows and share == 1 and algo.max_turn > 1 and not algo.context_window
-            and positions is not None)
-
-
-class RowPlan(NamedTuple):
-    """Where `row_plan` puts each of N rows of T tokens in N sequences of T: row r's tokens
-    0..length[r]-1 at flat slot start[r] of the [N,T] sequences, the first `bins` of which are
-    used; for each slot, the row and place it holds (`row`, `at`) and whether it holds one."""
-
-    start: jax.Array
-    length: jax.Array
-    bins: jax.Array
-    row: jax.Array
-    at: jax.Array
-    inside: jax.Array
-
-
-def row_plan(loss_mask, replies: int) -> RowPlan:
-    """Rows placed whole into sequences of their length T, first fit in row order: each row in
-    the first sequence where its tokens, and its reply tokens, still fit within T and within
-    `replies`, the most a row has (so the head runs at as many positions a sequence as a row);
-    a row's tokens through its last reply token (the rest feeds no loss); a row without one
-    takes no room. A sequence's rows are in row order. Multi-turn rows are padded to the
-    batch's longest, so two or more usually share a sequence; run each token at its own rotary
-    position, seeing its own row alone (`packed_forward`), they give each row's own numbers in
-    `bins` of the N sequences."""
-    N, T = loss_mask.shape
-    length = jnp.max(jnp.where(loss_mask, jnp.arange(1, T + 1), 0), axis=1).astype(jnp.int32)
-    count = jnp.sum(loss_mask, axis=1, dtype=jnp.int32)
-
-    def place(carry, x):
-        fill, held = carry  # [N] each: a sequence's tokens and reply tokens so far
-        n, c = x
-        b = jnp.argmax((fill + n <= T) & ((held + c <= replies) | (held == 0)))
-        at = b * T + fill[b]
-        return (fill.at[b].add(n), held.at[b].add(c)), jnp.where(n > 0, at, N * T)
-
-    zero = jnp.zeros(N, jnp.int32)
-    (fill, _), start = jax.lax.scan(place, (zero, zero), (length, count))
-    order = jnp.argsort(start, stable=True)  # the rows by where they start
-    slot = jnp.arange(N * T, dtype=jnp.int32).reshape(N, T)
-    row = order[jnp.clip(jnp.searchsorted(start[order], slot, side="right") - 1, 0, N - 1)]
-    at = slot - start[row]  # the slot's place in its row
-    inside = (at >= 0) & (at < length[row])
-    return RowPlan(start, length, jnp.sum(fill > 0), row, jnp.clip(at, 0, T - 1), inside)
-
-
-def pack(x, plan: RowPlan):
-    """A per-token array [N,T] of rows in `plan`'s sequences (empty slots: any value)."""
-    return None if x is None else x[plan.row, plan.at]
-
-
-def unpack(y, plan: RowPlan):
-    """A per-token array [N,T] of `plan`'s sequences back in rows (0 past a row's length)."""
-    N, T = y.shape
-    t = jnp.arange(T, dtype=jnp.int32)[None, :]
-    flat = jnp.clip(plan.start[:, None] + t, 0, N * T - 1)
-    return jnp.where(t < plan.length[:, None], y.reshape(-1)[flat], jnp.zeros((), y.dtype))
-
-
 def pack_rows(algo: AlgoConfig, mb: "Batch") -> tuple["Batch", jax.Array]:
-    """(packed, bins): a mini-batch's rows in `row_plan`'s sequences, each token with its row
-    as its segment (`Batch.turns`) and its rotary position in its row, the head's positions
-    those of the packed reply tokens."""
-    replies = packed_replies(algo, mb.tokens.shape[1])
-    plan = row_plan(mb.loss_mask, replies)
-    tokens, valid, rotary, loss_mask = _packed_rows(plan, mb.tokens, mb.valid, mb.loss_mask)
+    """(packed, bins): a mini-batch's rows in `packing.row_plan`'s sequences, each token with
+    its row as its segment (`Batch.turns`) and its rotary position in its row, the head's
+    positions those of the packed reply tokens."""
+    replies = packing.packed_replies(algo, mb.tokens.shape[1])
+    plan = packing.row_plan(mb.loss_mask, replies)
+    tokens, valid, rotary, loss_mask = packing.packed_tokens(plan, mb.tokens, mb.valid,
+                                                             mb.loss_mask)
     packed = Batch(tokens=tokens, valid=valid, loss_mask=loss_mask,
-                   old_logprobs=pack(mb.old_logprobs, plan),
-                   ref_logprobs=pack(mb.ref_logprobs, plan),
-                   old_values=pack(mb.old_values, plan), advantages=pack(mb.advantages, plan),
-                   returns=pack(mb.returns, plan), turns=plan.row, keep=None,
+                   old_logprobs=packing.pack(mb.old_logprobs, plan),
+                   ref_logprobs=packing.pack(mb.ref_logprobs, plan),
+                   old_values=packing.pack(mb.old_values, plan),
+                   advantages=packing.pack(mb.advantages, plan),
+                   returns=packing.pack(mb.returns, plan), turns=plan.row, keep=None,
                    positions=reply_positions(loss_mask, replies), rotary=rotary,
                    segments=mb.tokens.shape[0])
     return packed, plan.bins
 
 
-def _packed_rows(plan: RowPlan, tokens, valid, loss_mask):
-    """(tokens, valid, rotary positions, loss mask) of rows in `plan`'s sequences; the empty
-    slots hold no valid or loss token."""
-    return (jnp.where(plan.inside, pack(tokens, plan), 0), pack(valid, plan) & plan.inside,
-            pack(_row_positions(valid), plan), pack(loss_mask, plan) & plan.inside)
-
-
-def packed_replies(algo: AlgoConfig, T: int) -> int:
-    """Reply tokens a packed sequence holds at most (`row_plan`): a row's (`head_positions`)."""
-    return min(T, algo.max_turn * algo.response_length)
-
-
-def packed_micro(micro: int) -> int:
-    """Sequences per micro-batch of packed rows. On a CPU a quarter of `micro` rows (at least
-    1), so that the micro-batches past the used sequences, which are skipped, save more; on an
-    accelerator `micro`, as sized for its memory (a quarter would leave its kernels a quarter
-    of the tokens each)."""
-    return max(1, micro // 4) if jax.default_backend() == "cpu" else micro
-
-
-def _row_positions(valid):
-    return jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
-
-
 def packed_forward(fn, micro: int, replies: int, loss_mask, tokens, valid):
     """fn(tokens, valid, window, rotary, reply_mask) -> [b,T] per-token outputs, run on rows
-    packed into shared sequences (`row_plan` of `loss_mask`, `replies`) in micro-batches of
-    `packed_micro(micro)` sequences, those past the used ones skipped, and returned [N,T] in
-    rows (0 past a row's last reply token): the old and reference log-probs and the critic's
-    values of multi-turn rows."""
-    plan = row_plan(loss_mask, replies)
-    micro = packed_micro(micro)
-    p_tokens, p_valid, rotary, p_mask = _packed_rows(plan, tokens, valid, loss_mask)
+    packed into shared sequences (`packing.row_plan` of `loss_mask`, `replies`) in
+    micro-batches of `packing.packed_micro(micro)` sequences, those past the used ones skipped,
+    and returned [N,T] in rows (0 past a row's last reply token): the old and reference
+    log-probs and the critic's values of multi-turn rows."""
+    plan = packing.row_plan(loss_mask, replies)
+    micro = packing.packed_micro(micro)
+    p_tokens, p_valid, rotary, p_mask = packing.packed_tokens(plan, tokens, valid, loss_mask)
 
     def one(xs):
         i, t, v, seg, rot, m = xs
@@ -499,7 +413,7 @@ def packed_forward(fn, micro: int, replies: int, loss_mask, tokens, valid):
     steps = jnp.arange(tokens.shape[0] // micro, dtype=jnp.int32)
     out = jax.lax.map(one, (steps,) + micro_split((p_tokens, p_valid, plan.row, rotary, p_mask),
                                                   micro))
-    return unpack(out.reshape(tokens.shape[0], -1), plan)
+    return packing.unpack(out.reshape(tokens.shape[0], -1), plan)
 
 
 def reply_count(loss_mask) -> int:
@@ -549,10 +463,10 @@ def batch_logprobs(algo: AlgoConfig, cfg: ModelConfig, params, rows, positions, 
     log-probs (and what `benchmarks/train_step.py` times)."""
     N, T = rows[0].shape
     share = prompt_share(algo, T, micro) if positions is not None else 1
-    if packs_rows(algo, positions, share):
+    if packing.packs_rows(algo, positions, share):
         reply = jnp.zeros((N, T + 1), bool).at[jnp.arange(N)[:, None],
                                                 jnp.where(positions > 0, positions, T)].set(True)
-        size = packed_replies(algo, T)
+        size = packing.packed_replies(algo, T)
         return packed_forward(lambda t, v, window, rot, m: token_logprobs(
             params, cfg, t, v, algo.logit_chunk_size, algo.temperature, window,
             reply_positions(m, size), 1, rot)[0], micro, size, reply[:, :T], *rows)
@@ -721,7 +635,7 @@ def _advantages(algo: AlgoConfig, critic_cfg, state, traj: Trajectory, rewards, 
     if packed:
         values = packed_forward(lambda t, v, window, rot, _: token_values(
             state.critic_params, critic_cfg, t, v, window, rot), micro,
-            packed_replies(algo, mask.shape[1]), mask, *rows)
+            packing.packed_replies(algo, mask.shape[1]), mask, *rows)
     else:
         values = _micro_map(lambda t, v, *turns: token_values(
             state.critic_params, critic_cfg, t, v, turn_window(algo, *turns)), micro, *rows)
@@ -774,7 +688,7 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
             rewards = rewards - algo.kl_coef * jnp.where(mask, kl, 0.0)
 
         advantages, returns, values = _advantages(algo, critic_cfg, state, traj, rewards, mask,
-                                                  micro, rows, packs_rows(algo, positions))
+                                                  micro, rows, packing.packs_rows(algo, positions))
         if algo.filter_loss_scaling != "none":  # RAGEN-2: a smaller kept share, smaller steps
             ratio = metrics["rollout/filter_kept_ratio"]
             advantages = advantages * (ratio if algo.filter_loss_scaling == "linear"
@@ -889,9 +803,9 @@ def make_grad_fn(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         start = {"actor": zeros(actor_params, actor_names)}
         if critic_with_actor:
             start["critic"] = zeros(critic_params, critic_names)
-        if packs_rows(algo, mb.positions, share):  # packed micro-batches; the empty skipped
+        if packing.packs_rows(algo, mb.positions, share):  # packed micro-batches; the empty skipped
             packed, bins = pack_rows(algo, mb)
-            seqs = packed_micro(micro)
+            seqs = packing.packed_micro(micro)
 
             def add_packed(acc, xs):
                 i, m = xs

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from starpo import model as M
+from starpo import packing
 from starpo import run_config as RC
 from starpo import update as UP
 from starpo.trajectory import Trajectory, UpdateContexts, check_trajectory, trimmed_length
@@ -810,8 +811,8 @@ def test_packed_rows_are_whole_rows_in_order_each_at_its_own_positions():
     for p, w in zip(np.asarray(packed.positions), want):
         np.testing.assert_array_equal(p[:len(w)], w)
     # and back: a per-token output of the sequences, in rows (0 past a row's last reply)
-    plan = jax.jit(UP.row_plan, static_argnums=1)(batch.loss_mask, 9)
-    back = np.asarray(UP.unpack(UP.pack(batch.advantages, plan), plan))
+    plan = jax.jit(packing.row_plan, static_argnums=1)(batch.loss_mask, 9)
+    back = np.asarray(packing.unpack(packing.pack(batch.advantages, plan), plan))
     np.testing.assert_array_equal(back, np.where(np.arange(T) < np.asarray(lengths)[:, None],
                                                  adv, 0))
 
