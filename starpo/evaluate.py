@@ -32,7 +32,7 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
     success / pass@k (k = group_size: a group passes if any of its episodes succeeded) /
     pass^k (k = group_size > 1 only: the share of groups whose every episode succeeded; so
     1 - pass@k of the groups all failed, and the rest, pass@k - pass^k, are the groups whose
-    episodes differ, the only ones where GRPO's advantage is not zero) /
+    successes differ: where the reward is success alone, the only ones with a GRPO advantage) /
     score (trajectory reward: turn rewards + format penalty) / num_actions / action_is_valid /
     action_is_effective / num_turns / format_errors / truncated / response_length /
     context_used / context_used_max, each a mean over episodes unless named otherwise.
