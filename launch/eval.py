@@ -90,7 +90,8 @@ def main(argv):
         traj, m = es.play(policy.params, jax.random.key(FLAGS.seed), temperature)
         results[tag] = evaluate.summarize(traj, m, size)
         print(f"{tag}: {groups} levels x {size} at temperature {temperature}: "
-              f"success {results[tag]['success']:.3f}", file=sys.stderr)
+              f"success {results[tag]['success']:.3f} (standard error "
+              f"{results[tag]['success_stderr']:.3f})", file=sys.stderr)
     print(f"\n{policy.source}\n" + evaluate.format_table(results))
     line = json.dumps({"model": policy.source, "step": step, "temperature": temperature,
                        "groups": groups, "group_size": size, "results": results})

@@ -33,6 +33,8 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
     pass^k (k = group_size > 1 only: the share of groups whose every episode succeeded; so
     1 - pass@k of the groups all failed, and the rest, pass@k - pass^k, are the groups whose
     successes differ: where the reward is success alone, the only ones with a GRPO advantage) /
+    success_stderr (the standard error of success over the groups: the std of the groups' mean
+    successes over sqrt(groups); a group's episodes share a level, so they count once) /
     score (trajectory reward: turn rewards + format penalty) / num_actions / action_is_valid /
     action_is_effective / num_turns / format_errors / truncated / response_length /
     context_used / context_used_max, each a mean over episodes unless named otherwise.
@@ -56,6 +58,9 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
         "context_used_max": np.max(m["context_used"]),
         "generated_tokens": np.sum(m["response_length"]),
     }
+    per_group = groups.mean(axis=1)
+    out["success_stderr"] = (per_group.std(ddof=1) / np.sqrt(len(per_group))
+                             if len(per_group) > 1 else 0.0)
     if group_size > 1:
         out[f"pass^{group_size}"] = groups.min(axis=1).mean()
     return {k: float(v) for k, v in out.items()}

@@ -210,9 +210,10 @@ def test_collapse_detector_state_dict_round_trip():
 
 
 def test_episode_summaries_count_groups_all_passed_and_any_passed():
-    """pass@k and pass^k of three groups of four, against counts made by hand: group 0 all
-    succeed, group 1 one of four, group 2 none: pass@4 = 2/3, pass^4 = 1/3 (so one group of
-    three is mixed, the only one with a GRPO signal); groups of one report no pass^1."""
+    """pass@k, pass^k and success's standard error of three groups of four, against counts
+    made by hand: group 0 all succeed, group 1 one of four, group 2 none: pass@4 = 2/3,
+    pass^4 = 1/3 (so one group of three is mixed, the only one with a GRPO signal); groups of
+    one report no pass^1, and their standard error is the episodes' own."""
     from types import SimpleNamespace
 
     from starpo import evaluate
@@ -227,4 +228,9 @@ def test_episode_summaries_count_groups_all_passed_and_any_passed():
     s = evaluate.summarize(traj, per_row, 4)
     assert s["success"] == pytest.approx(5 / 12)
     assert s["pass@4"] == pytest.approx(2 / 3) and s["pass^4"] == pytest.approx(1 / 3)
-    assert "pass^1" not in evaluate.summarize(traj, per_row, 1)
+    # the groups' means 1, 1/4, 0: their unbiased std over sqrt(3 groups)
+    assert s["success_stderr"] == pytest.approx(math.sqrt((0.34028 + 0.02778 + 0.17361) / 2 / 3),
+                                                rel=1e-4)
+    one = evaluate.summarize(traj, per_row, 1)
+    assert "pass^1" not in one
+    assert one["success_stderr"] == pytest.approx(math.sqrt(5 / 12 * 7 / 12 * 12 / 11 / 12))
