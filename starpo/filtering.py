@@ -57,6 +57,11 @@ def in_group_std(score: jax.Array, group_size: int) -> jax.Array:
     return jnp.sqrt(var)
 
 
+def zero_std_count(std: jax.Array) -> jax.Array:
+    """RAGEN-2's `rollout/filter_zero_count`: the groups whose std is (float) zero, as f32."""
+    return (jnp.abs(std) <= ZERO_STD).sum().astype(jnp.float32)
+
+
 def nonzero_std_groups(score, group_size: int) -> np.ndarray:
     """bool[G] on the host: the groups DAPO's dynamic sampling keeps (verl's filter_groups):
     those whose scores are not all equal (in_group_std > 0), and every group of one episode
@@ -129,7 +134,7 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
         "rollout/kept_groups": jnp.float32(K),
         "rollout/batch_std": jnp.std(score, ddof=1) if B > 1 else jnp.float32(0.0),
         "rollout/filter_kept_ratio": jnp.float32(K / G),
-        "rollout/filter_zero_count": (jnp.abs(rank) <= ZERO_STD).sum().astype(jnp.float32),
+        "rollout/filter_zero_count": zero_std_count(rank),
     }
     return rows.astype(jnp.int32), metrics
 
@@ -203,6 +208,6 @@ def top_p_rows(score: jax.Array, group_size: int, top_p: float, filter_type: str
         "rollout/kept_groups": n,
         "rollout/batch_std": jnp.std(score, ddof=1) if B > 1 else jnp.float32(0.0),
         "rollout/filter_kept_ratio": n / G,
-        "rollout/filter_zero_count": (jnp.abs(rank) <= ZERO_STD).sum().astype(jnp.float32),
+        "rollout/filter_zero_count": zero_std_count(rank),
     }
     return jnp.repeat(kept, group_size), metrics

@@ -762,6 +762,12 @@ class Block(nn.Module):
         return constrain(x, ACTIVATION_AXES), kv
 
 
+def row_positions(valid) -> jax.Array:
+    """Rotary positions int32[B,T] of a row's tokens: the real tokens before each (padding
+    takes its predecessor's)."""
+    return jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+
+
 def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
                   window: TurnWindow | None = None, split: bool = False, positions=None):
     """The geometry of a chunk (valid [B,T] bool), as every layer gets it: (shared, kv, write_at).
@@ -779,7 +785,7 @@ def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
         if cache is not None:
             raise ValueError("rotary positions are given only to a forward without a cache")
         return (positions.astype(jnp.int32), chunk_mask, None, window), None, None
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)  # real before
+    positions = row_positions(valid)
     if cache is None:
         return (positions, chunk_mask, None, window), None, None
     positions = positions + cache.pos[:, None]

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from starpo import model as model_lib
 from starpo.run_config import AlgoConfig
 
 
@@ -83,7 +84,7 @@ def packed_tokens(plan: RowPlan, tokens, valid, loss_mask):
     """(tokens, valid, rotary positions, loss mask) of rows in `plan`'s sequences; the empty
     slots hold no valid or loss token."""
     return (jnp.where(plan.inside, pack(tokens, plan), 0), pack(valid, plan) & plan.inside,
-            pack(row_positions(valid), plan), pack(loss_mask, plan) & plan.inside)
+            pack(model_lib.row_positions(valid), plan), pack(loss_mask, plan) & plan.inside)
 
 
 def packed_replies(algo: AlgoConfig, T: int) -> int:
@@ -98,7 +99,3 @@ def packed_micro(micro: int) -> int:
     accelerator `micro`, as sized for its memory (a quarter would leave its kernels a quarter
     of the tokens each)."""
     return max(1, micro // 4) if jax.default_backend() == "cpu" else micro
-
-
-def row_positions(valid):
-    return jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)

@@ -353,7 +353,7 @@ def packed_hidden(params, cfg: ModelConfig, tokens, valid, positions, share: int
     src_slot = jnp.where(in_prompt, s, start[:, None] + (s - start[:, None]) % K)
     inside = (s < start[:, None] + G * K) & (src_slot < T)
     src_slot = jnp.minimum(src_slot, T - 1)
-    row_pos = packing.row_positions(valid)
+    row_pos = model_lib.row_positions(valid)
     p_tokens = tokens[src_row, src_slot]
     p_valid = valid[src_row, src_slot] & inside
     p_pos = row_pos[src_row, src_slot]
