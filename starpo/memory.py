@@ -32,6 +32,7 @@ structure (the buffers XLA's buffer assignment shows for them):
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 
@@ -202,7 +203,8 @@ def matmul_workspace(device=None) -> float:
     Hopper and later (compute capability 9+), 4 MiB before (cuBLAS's recommended sizes, which
     XLA's gemm calls take); 0 on other backends. `device`: a JAX device (default: the first).
     Measured on an H100: tiny programs' compiled temporaries were 22-30 MB above the plan
-    without it."""
+    without it. The plan counts it in every program, an upper bound: XLA adds it only to
+    programs where autotuning kept a cuBLAS call (`compiled_workspace`)."""
     if device is None:
         import jax
 
@@ -211,6 +213,19 @@ def matmul_workspace(device=None) -> float:
         return 0.0
     major = str(getattr(device, "compute_capability", "9.0")).split(".")[0]
     return float(HOPPER_WORKSPACE if not major.isdigit() or int(major) >= 9 else 4 * 2 ** 20)
+
+
+# a cuBLAS call's output tuple ends in its workspace: `(f32[..], s8[33554432]{0}) custom-call(`
+_CUBLAS_WORKSPACE = re.compile(r"s8\[(\d+)\]\{0\}\) custom-call\([^\n]*?"
+                               r'custom_call_target="__cublas')
+
+
+def compiled_workspace(compiled) -> int:
+    """Bytes of cuBLAS workspace in a compiled program (`jax.jit(...).lower(...).compile()`):
+    the largest its cuBLAS calls take, 0 where it has none (CPU, TPU, or a GPU program whose
+    matmuls autotuning all gave to Triton fusions, as it can at small shapes: on an H100, some
+    of tests/test_memory.py's; Qwen2.5-0.5B's decode loop keeps cuBLAS for its head)."""
+    return max(map(int, _CUBLAS_WORKSPACE.findall(compiled.as_text())), default=0)
 
 
 def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),

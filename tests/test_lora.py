@@ -3,6 +3,7 @@ adapters train (the base stays the very same buffers), checkpoints hold the adap
 exactly, export merges, the memory plan counts it, bad settings fail in one line, and a tiny
 model learns the Bandit through adapters alone. One built experiment is shared by the module."""
 
+import functools
 import json
 import math
 import os
@@ -201,7 +202,12 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(lora_run, tmp_
     saved = checkpoint.load_params(os.path.join(resumed, "checkpoints"), 4)
     names = set(leaves_by_path(saved))
     assert names == set(leaves_by_path(lora.split(exp.policy.params)[0])), names
-    jax.tree_util.tree_map(np.testing.assert_array_equal, saved, checkpoint.load_params(
+    # bit-equal on a CPU; XLA:GPU need not sum in the same order run to run (atomics), so
+    # there a float tolerance: on an H100 the resumed adapters were at most 3.8e-6 from the
+    # straight run's (every logged metric within 1e-5)
+    same = (np.testing.assert_array_equal if jax.default_backend() == "cpu" else
+            functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=2e-5))
+    jax.tree_util.tree_map(same, saved, checkpoint.load_params(
         os.path.join(straight, "checkpoints"), 4))
 
 

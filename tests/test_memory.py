@@ -20,13 +20,21 @@ from tests.test_training import with_changes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compiled_peaks(exp) -> dict:
-    """XLA's bytes for the rollout and the update of `exp` (TrainState resident)."""
-    def total(compiled, donated=0):
-        m = compiled.memory_analysis()
-        return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                - m.alias_size_in_bytes - donated)
+def xla_bytes(compiled) -> int:
+    """What XLA's buffer assignment reserves for `compiled` (arguments + outputs + temporaries),
+    apart from a cuBLAS workspace: XLA:GPU adds one only where autotuning kept a cuBLAS call,
+    which the plan cannot know, so the plan counts `memory.matmul_workspace()` in every phase
+    (an upper bound) and the comparisons leave both out (0 off NVIDIA GPUs)."""
+    m = compiled.memory_analysis()
+    workspace = memory.compiled_workspace(compiled)
+    assert workspace <= memory.matmul_workspace()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes - workspace)
 
+
+def compiled_peaks(exp) -> dict:
+    """XLA's bytes for the rollout and the update of `exp` (TrainState resident), apart from a
+    cuBLAS workspace (`xla_bytes`)."""
     with jax.set_mesh(exp.mesh):
         state = jax.eval_shape(lambda: experiment.initial_train_state(exp))
         env_state, group_id = jax.eval_shape(exp.initial_states, jax.random.key(0), jnp.int32(0))
@@ -38,7 +46,8 @@ def compiled_peaks(exp) -> dict:
     params_bytes = sum(x.size * x.dtype.itemsize
                        for x in jax.tree_util.tree_leaves(state.actor_params))
     # the rollout's arguments are the actor weights; the rest of the state sits beside it
-    return {"rollout": total(rollout) - params_bytes + state_bytes, "update": total(update)}
+    return {"rollout": xla_bytes(rollout) - params_bytes + state_bytes,
+            "update": xla_bytes(update)}
 
 
 @pytest.mark.parametrize("variant", ["tiny", "tiny+lora", "tiny-shared"])
@@ -61,7 +70,7 @@ def test_the_plan_is_within_a_quarter_of_what_xla_reserves(variant):
     phases = {p.name: p.total for p in harness.memory_plan(exp, log=lambda *a: None)}
     measured = compiled_peaks(exp)
     for name in ("rollout", "update"):
-        ratio = phases[name] / measured[name]
+        ratio = (phases[name] - memory.matmul_workspace()) / measured[name]
         print(f"{name}: plan {phases[name] / 1e6:.1f} MB, XLA {measured[name] / 1e6:.1f} MB")
         assert 0.75 <= ratio <= 1.25, (name, phases[name], measured[name])
 
@@ -89,7 +98,7 @@ def test_the_rollout_holds_its_cache_once_and_the_plan_says_so(windows):
           " of XLA")
     if memory.cache_copies(1) == 1.0:  # the rest of the program included
         assert measured < (1.4 if windows == 1 else 2.4) * kv
-    assert 0.75 <= plan.total / measured <= 1.25
+    assert 0.75 <= (plan.total - memory.matmul_workspace()) / measured <= 1.25
 
 
 def test_the_cache_copies_follow_the_measured_jax_versions():
@@ -111,6 +120,26 @@ def test_the_matmul_workspace_follows_the_device():
     assert memory.matmul_workspace(D(platform="tpu", device_kind="TPU v5 lite")) == 0
     if jax.default_backend() != "gpu":  # the default device's: none here
         assert memory.matmul_workspace() == 0
+
+
+def test_the_compiled_workspace_is_read_from_the_cublas_calls():
+    """A cuBLAS call's output tuple ends in its workspace (lines as XLA:GPU wrote them for
+    Qwen2.5-0.5B's decode loop on an H100); Triton fusions and XLA:CPU programs have none."""
+    from types import SimpleNamespace as D
+
+    lt = ('%custom-call.5 = (f32[1152,32768]{0,1}, s8[33554432]{0}) custom-call(%w, %x), '
+          'custom_call_target="__cublas$lt$matmul", metadata={op_name="q/dot_general"}')
+    legacy = ('%cublas-gemm.2 = (f32[64,896]{1,0}, s8[4194304]{0}) custom-call(%a, %b), '
+              'custom_call_target="__cublas$gemm"')
+    triton = ('%gemm_fusion_dot.273 = f32[128,9728]{1,0} fusion(%a, %b, %c), kind=kCustom, '
+              'calls=%gemm_fusion_dot.273_computation')
+    program = lambda *lines: D(as_text=lambda: "\n".join(lines))  # noqa: E731
+    assert memory.compiled_workspace(program(triton, legacy, lt)) == 32 * 2 ** 20
+    assert memory.compiled_workspace(program(triton, legacy)) == 4 * 2 ** 20
+    assert memory.compiled_workspace(program(triton)) == 0
+    if jax.default_backend() == "cpu":
+        compiled = jax.jit(lambda a: a @ a).lower(jnp.ones((64, 64))).compile()
+        assert memory.compiled_workspace(compiled) == 0
 
 
 @pytest.mark.parametrize("shape", [(128, 256, 8, 2, 16), (64, 512, 8, 2, 16),
@@ -135,19 +164,19 @@ def test_a_prompt_appended_to_a_cache_plans_within_a_quarter_of_xla(shape, monke
         monkeypatch.setattr(M, "CACHE_QUERY_BLOCK", block)
         append = jax.jit(lambda p, t, v, c: M.hidden_states(p, cfg, t, v, c),
                          donate_argnums=3)
-        return append.lower(M.abstract_params(cfg), tokens, valid,
-                            cache).compile().memory_analysis()
+        return append.lower(M.abstract_params(cfg), tokens, valid, cache).compile()
 
-    m = compiled(M.CACHE_QUERY_BLOCK)
-    xla = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-           - m.alias_size_in_bytes)
+    def temporaries(program):  # apart from a cuBLAS workspace (xla_bytes)
+        return program.memory_analysis().temp_size_in_bytes - memory.compiled_workspace(program)
+
+    blocked = compiled(M.CACHE_QUERY_BLOCK)
+    xla = xla_bytes(blocked)
     kv = sum(x.size * x.dtype.itemsize for x in (cache.k, cache.v))
     plan = (kv + cfg.num_params * 4 + B * P * D * 4  # the cache, the weights, the output
-            + sum(b for _, b in memory.prefill_parts(cfg, B, S, P, dtype="float32"))
-            + memory.matmul_workspace())
+            + sum(b for _, b in memory.prefill_parts(cfg, B, S, P, dtype="float32")))
     print(f"plan {plan / 1e6:.1f} MB, XLA {xla / 1e6:.1f} MB")
     assert 0.75 <= plan / xla <= 1.25, (plan, xla)
-    assert compiled(10 ** 6).temp_size_in_bytes > 3 * m.temp_size_in_bytes
+    assert temporaries(compiled(10 ** 6)) > 3 * temporaries(blocked)
 
 
 def test_a_config_that_cannot_fit_stops_with_one_line(tmp_path):
