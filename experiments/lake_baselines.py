@@ -7,8 +7,11 @@ figures against (issue 23): the expectation over every slip, not one sampled epi
 
 Levels are the validation set's (`launch/eval.py --groups=N`: seeds 0..N-1 of the validation
 stream). Each policy plays one move a turn for --moves turns, as the solver's demonstrations do
-on the slippery lake (a move slips to either side with p 1/3 each). Policies: the 3-move
-optimum (the ceiling of any one-move-a-turn policy), the solver (envs/solvers.py: the move that
+on the slippery lake (a move slips to either side with p 1/3 each), except the budget optimum:
+the ceiling of any policy with the env's budget (--per_turn moves written each turn, the grid
+seen once a turn, --per_episode in all; 5 turns: 0.48 on the slippery lake's 256 levels against
+the one-move-a-turn optimum's 0.28). Policies: the --moves optimum (the ceiling of any
+one-move-a-turn policy), the solver (envs/solvers.py: the move that
 maximises the probability of ever reaching the goal), "towards the goal" (along the larger
 gap to it, blind to holes), and each constant move (blind to the grid). A sampled figure on
 N levels has a standard error of about sqrt(p (1 - p) / N): 0.024 at p = 0.2, N = 256.
@@ -30,6 +33,8 @@ from starpo import rollout
 flags.DEFINE_integer("levels", 256, "Held-out levels (validation seeds 0..levels-1).")
 flags.DEFINE_integer("moves", 3, "Moves, one a turn (the cpu config's rollout.max_turn).")
 flags.DEFINE_bool("slippery", True, "The paper's slippery lake (else every move goes where meant).")
+flags.DEFINE_integer("per_turn", 5, "Moves a turn of the budget optimum (the env's budget).")
+flags.DEFINE_integer("per_episode", 10, "Moves an episode of the budget optimum (the env's).")
 FLAGS = flags.FLAGS
 
 
@@ -59,11 +64,60 @@ def success(grid, pos, moves, policy, slippery: bool = True):
     return value(int(pos[0]), int(pos[1]), moves)
 
 
-def exact_success(levels: int, moves: int, slippery: bool = True) -> dict:
+def budget_optimum(grid, pos, turns: int, per_turn: int, per_episode: int,
+                   slippery: bool = True) -> float:
+    """P(on the goal) of the best policy under the env's action budget: `turns` turns, each
+    an open-loop sequence of 1..`per_turn` moves chosen from the cell the turn starts on (the
+    model sees the grid once a turn), at most `per_episode` moves in all. A move slips as in
+    `success`; a hole or the goal ends the episode mid-sequence. With per_turn=1 it equals
+    `success`'s optimum for min(turns, per_episode) moves.
+
+    Exact: for every sequence s (4 + 16 + ... + 4^per_turn of them) the matrix A_s of the mass
+    still on frozen cells after it, row c from cell c, and g_s, the mass that reached the goal
+    on the way; then V[t, k] = max_s g_s + A_s V[t - 1, k - |s|] over cells, turn by turn."""
+    n = grid.shape[0]
+    flat = grid.reshape(-1)
+    frozen = (flat == frozenlake.FROZEN).astype(np.float64)
+    deltas = np.asarray(frozenlake._DELTAS)
+    step = np.zeros((4, n * n, n * n))  # step[a, c, c']: P(c -> c') for move a, from frozen c
+    for r in range(n):
+        for c in range(n):
+            if grid[r, c] != frozenlake.FROZEN:
+                continue
+            for a in range(4):
+                for slip in (-1, 0, 1) if slippery else (0,):
+                    dr, dc = deltas[(a + slip) % 4]
+                    to = min(max(r + dr, 0), n - 1) * n + min(max(c + dc, 0), n - 1)
+                    step[a, r * n + c, to] += 1 / (3 if slippery else 1)
+    goal = (flat == frozenlake.GOAL).astype(np.float64)
+    mats, gains, lengths = [], [], []
+    level = [(np.eye(n * n) * frozen, np.zeros(n * n))]  # the empty sequence
+    for length in range(1, per_turn + 1):
+        level = [(a_s @ step[a] * frozen, g_s + a_s @ step[a] @ goal)
+                 for a_s, g_s in level for a in range(4)]
+        mats += [m for m, _ in level]
+        gains += [g for _, g in level]
+        lengths += [length] * len(level)
+    mats, gains, lengths = np.stack(mats), np.stack(gains), np.asarray(lengths)
+    value = np.zeros((per_episode + 1, n * n))  # V[t - 1, k] for k moves left; V[0] = 0
+    for _ in range(turns):
+        new = np.zeros_like(value)
+        for k in range(1, per_episode + 1):
+            ok = lengths <= k
+            new[k] = (gains[ok] + np.einsum("scd,sd->sc", mats[ok],
+                                             value[k - lengths[ok]])).max(axis=0)
+        value = new
+    return float(value[per_episode, int(pos[0]) * n + int(pos[1])])
+
+
+def exact_success(levels: int, moves: int, slippery: bool = True, per_turn: int = 5,
+                  per_episode: int = 10) -> dict:
     """{policy: mean exact success} over validation levels 0..levels-1 of the lake (the
     frozenlake configs' OPTIONS, `slippery` or not), one move a turn for `moves` turns:
     "optimum", "solver", "towards the goal", "constant <move>", "best constant move" and, on
-    the non-slippery lake, "slippery lake's solver"."""
+    the non-slippery lake, "slippery lake's solver"; and "budget optimum": the best policy
+    with up to `per_turn` moves in each of those turns, `per_episode` in all
+    (`budget_optimum`; the envs' budget is 5 and 10)."""
     env = envs.make("FrozenLake", **{**OPTIONS, "is_slippery": slippery})
     states, _ = rollout.initial_states(env, jax.random.key(0), jnp.int32(0), rollout.VALIDATION,
                                        levels, 1)
@@ -90,12 +144,14 @@ def exact_success(levels: int, moves: int, slippery: bool = True) -> dict:
                                 else (0, int(np.sign(dc))))
         return policy
 
-    rows = {"optimum": [], "solver": [], "towards the goal": []}
+    rows = {"budget optimum": [], "optimum": [], "solver": [], "towards the goal": []}
     if plan_slippery is not None:
         rows["slippery lake's solver"] = []
     rows.update({f"constant {a}": [] for a in env.action_names})
     for grid, start in zip(grids, starts):
         table = np.asarray(plan(jnp.asarray(grid), cells)).reshape(n, n)
+        rows["budget optimum"].append(budget_optimum(grid, start, moves, per_turn, per_episode,
+                                                     slippery))
         rows["optimum"].append(success(grid, start, moves, None, slippery))
         rows["solver"].append(success(grid, start, moves, lambda cell, k, t=table: t[cell],
                                       slippery))
@@ -114,10 +170,12 @@ def exact_success(levels: int, moves: int, slippery: bool = True) -> dict:
 
 def main(argv):
     del argv
-    out = exact_success(FLAGS.levels, FLAGS.moves, FLAGS.slippery)
+    out = exact_success(FLAGS.levels, FLAGS.moves, FLAGS.slippery, FLAGS.per_turn,
+                        FLAGS.per_episode)
     for k, v in out.items():
         print(f"{k:22s} {v:.4f}  ({v / out['solver']:.0%} of the solver)")
     print(json.dumps({"levels": FLAGS.levels, "moves": FLAGS.moves, "slippery": FLAGS.slippery,
+                      "per_turn": FLAGS.per_turn, "per_episode": FLAGS.per_episode,
                       "success": out}))
 
 

@@ -61,3 +61,61 @@ def test_the_slippery_solver_on_the_non_slippery_lake_is_its_moves_played_there(
                 break
     assert got == round(wins / levels, 4)
     assert got < lake_baselines.exact_success(levels, moves, slippery=False)["solver"]
+
+
+def test_the_budget_optimum_equals_a_search_over_every_move_sequence():
+    """budget_optimum against a plain recursion: at each turn every sequence of 1..per_turn
+    moves is tried, its expectation taken over every slip of every move (a hole or the goal
+    ends it), the next turn from where it leaves the player. With one move a turn it is
+    `success`'s optimum; without slips, the share of levels whose shortest path fits the
+    budget."""
+    import functools
+    import itertools
+
+    from envs import frozenlake
+
+    env = envs.make("FrozenLake", **{**OPTIONS, "is_slippery": True})
+    states, _ = rollout.initial_states(env, jax.random.key(0), jnp.int32(0), rollout.VALIDATION,
+                                       6, 1)
+    turns, per_turn, per_episode = 3, 3, 5
+    for grid, start in zip(np.asarray(states.grid), np.asarray(states.pos)):
+        n = grid.shape[0]
+
+        def moved(cell, a):
+            dr, dc = np.asarray(frozenlake._DELTAS)[a % 4]
+            return min(max(cell[0] + dr, 0), n - 1), min(max(cell[1] + dc, 0), n - 1)
+
+        @functools.cache
+        def best(cell, t, k):
+            if grid[cell] == frozenlake.GOAL:
+                return 1.0
+            if grid[cell] == frozenlake.HOLE or t == 0 or k == 0:
+                return 0.0
+
+            def play(cell, seq):
+                if grid[cell] != frozenlake.FROZEN:
+                    return float(grid[cell] == frozenlake.GOAL)
+                if not seq:
+                    return best(cell, t - 1, k - used)
+                return sum(play(moved(cell, seq[0] + s), seq[1:]) for s in (-1, 0, 1)) / 3
+
+            out = 0.0
+            for used in range(1, min(per_turn, k) + 1):
+                for seq in itertools.product(range(4), repeat=used):
+                    out = max(out, play(cell, seq))
+            return out
+
+        cell = (int(start[0]), int(start[1]))
+        want = best(cell, turns, per_episode)
+        got = lake_baselines.budget_optimum(grid, start, turns, per_turn, per_episode)
+        assert abs(got - want) < 1e-12, (got, want)
+        assert abs(lake_baselines.budget_optimum(grid, start, 4, 1, 10)
+                   - lake_baselines.success(grid, start, 4, None)) < 1e-12
+        assert got >= lake_baselines.success(grid, start, turns, None) - 1e-12
+    plain = lake_baselines.exact_success(32, 2, slippery=False, per_turn=3, per_episode=5)
+    env = envs.make("FrozenLake", **{**OPTIONS, "is_slippery": False})
+    states, _ = rollout.initial_states(env, jax.random.key(0), jnp.int32(0), rollout.VALIDATION,
+                                       32, 1)
+    lengths = [int(env.shortest_path(jax.tree_util.tree_map(lambda x: x[i], states)))
+               for i in range(32)]
+    assert plain["budget optimum"] == round(float(np.mean([0 < m <= 5 for m in lengths])), 4)
