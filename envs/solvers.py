@@ -249,6 +249,84 @@ def _lake_moves(env, state, max_moves):
     return jnp.where(jnp.arange(max_moves) < n, names, 0), n
 
 
+def _lake_sequences(env, grid, per_turn: int):
+    """(mats f32[S, N, N], gains f32[S, N], lengths int[S] static) of every move sequence of
+    1..per_turn moves, by length, then by moves with the first the most significant: row c of
+    mats[s] is where the mass starting on cell c still stands, on frozen cells, after s (a hole
+    or the goal ends it), gains[s, c] the mass that reached the goal on the way."""
+    nn = env.size * env.size
+    succ = jnp.asarray(_lake_successors(env))  # [N, 4, slips]
+    flat = grid.reshape(-1)
+    frozen = (flat == frozenlake.FROZEN).astype(jnp.float32)
+    goal = (flat == frozenlake.GOAL).astype(jnp.float32)
+    one_hot = jax.nn.one_hot(succ, nn, dtype=jnp.float32).mean(2)  # [N, 4, N]: each slip alike
+    step = one_hot.transpose(1, 0, 2)  # [4, N, N]: P(c -> d) under move a
+    live, gain = jnp.diag(frozen)[None], jnp.zeros((1, nn), jnp.float32)
+    mats, gains = [], []
+    for _ in range(per_turn):
+        moved = jnp.einsum("scd,ade->sace", live, step).reshape(-1, nn, nn)
+        gain = jnp.repeat(gain, 4, axis=0) + moved @ goal
+        live = moved * frozen
+        mats.append(live)
+        gains.append(gain)
+    lengths = np.repeat(np.arange(1, per_turn + 1), [4 ** m for m in range(1, per_turn + 1)])
+    return jnp.concatenate(mats), jnp.concatenate(gains), lengths
+
+
+def lake_budget_plan(env, grid, per_turn: int, turns: int, per_episode: int):
+    """(choice int32[turns, K+1, N], value f32[turns, K+1, N]) of a lake under the action
+    budget, K = per_episode: with t + 1 turns and k moves left on cell c, the sequence to write
+    (an index into `_lake_sequences`' order) and the success it leads to when every later turn
+    writes its own best sequence (an exact dynamic programme over open-loop sequences a turn:
+    experiments/lake_baselines.py's `budget_optimum` computes the same value independently).
+    Ties go to the shortest sequence, then the first in `action_names` order."""
+    mats, gains, lengths = _lake_sequences(env, grid, per_turn)
+    behind = np.arange(per_episode + 1)[None, :] - lengths[:, None]  # [S, K+1]: moves left after
+    fits = jnp.asarray(behind >= 0)[..., None]
+    behind = np.clip(behind, 0, per_episode)
+
+    def next_turn(value, _):  # value [K+1, N]: the best success with one turn fewer
+        after = jnp.einsum("scd,kd->skc", mats, value)  # [S, K+1, N], k: moves left after s
+        after = jnp.take_along_axis(after, jnp.asarray(behind)[..., None], axis=1)
+        q = jnp.where(fits, gains[:, None, :] + after, -1.0)  # [S, K+1, N], k: moves left now
+        best = q.max(0)
+        choice = jnp.argmax(q >= best * (1 - _VALUE_SLACK), axis=0).astype(jnp.int32)
+        new = jnp.maximum(best, 0.0)  # no move left: 0
+        return new, (choice, new)
+
+    nn = env.size * env.size
+    _, (choice, value) = jax.lax.scan(next_turn, jnp.zeros((per_episode + 1, nn), jnp.float32),
+                                      None, length=turns)
+    return choice, value
+
+
+def lake_budget_moves(env, state, turns_left, moves_left, per_turn: int, turns: int,
+                      per_episode: int):
+    """(names int32[per_turn], n int32[]): on FrozenLake, the moves to write this turn under
+    the env's action budget: of every sequence of 1..min(per_turn, moves_left) moves, the one
+    whose success is highest when the turns after it (turns_left - 1 of them, the grid seen at
+    the start of each) play their best sequences too, with at most moves_left moves in all
+    (`lake_budget_plan`; on the paper's slippery lake with 5 turns of up to 5 moves, 10 in
+    all, the best success is 0.48 against 0.28 for one move a turn). `turns` and `per_episode`
+    (static) bound turns_left and moves_left; n = 0 when the state is done, nothing is left,
+    or no sequence can reach the goal."""
+    if not isinstance(env, frozenlake.FrozenLake):
+        raise TypeError(f"lake_budget_moves is for FrozenLake, not {getattr(env, 'name', env)!r}")
+    choice, value = lake_budget_plan(env, state.grid, per_turn, turns, per_episode)
+    cell = state.pos[0] * env.size + state.pos[1]
+    t = jnp.clip(turns_left - 1, 0, turns - 1)
+    k = jnp.clip(moves_left, 0, per_episode)
+    pick = choice[t, k, cell]
+    counts = [4 ** m for m in range(1, per_turn + 1)]
+    length = jnp.asarray(np.repeat(np.arange(1, per_turn + 1), counts))[pick]
+    local = pick - jnp.asarray(np.cumsum([0] + counts))[length - 1]
+    j = jnp.arange(per_turn)
+    names = (local // 4 ** jnp.clip(length - 1 - j, 0, None)) % 4  # the first move leads
+    live = ~env.is_done(state) & (turns_left >= 1) & (k >= 1) & (value[t, k, cell] > 0)
+    n = jnp.where(live, length, 0).astype(jnp.int32)
+    return jnp.where(j < n, names, 0).astype(jnp.int32), n
+
+
 # ------------------------------------------------------------------ Sokoban
 
 

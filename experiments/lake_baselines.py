@@ -6,15 +6,16 @@ figures against (issue 23): the expectation over every slip, not one sampled epi
     python -m experiments.lake_baselines --moves=5 --noslippery   # RAGEN-2's default lake
 
 Levels are the validation set's (`launch/eval.py --groups=N`: seeds 0..N-1 of the validation
-stream). Each policy plays one move a turn for --moves turns, as the solver's demonstrations do
-on the slippery lake (a move slips to either side with p 1/3 each), except the budget optimum:
-the ceiling of any policy with the env's budget (--per_turn moves written each turn, the grid
-seen once a turn, --per_episode in all; 5 turns: 0.48 on the slippery lake's 256 levels against
-the one-move-a-turn optimum's 0.28). Policies: the --moves optimum (the ceiling of any
-one-move-a-turn policy), the solver (envs/solvers.py: the move that
-maximises the probability of ever reaching the goal), "towards the goal" (along the larger
-gap to it, blind to holes), and each constant move (blind to the grid). A sampled figure on
-N levels has a standard error of about sqrt(p (1 - p) / N): 0.024 at p = 0.2, N = 256.
+stream). Each policy plays one move a turn for --moves turns (a move slips to either side with
+p 1/3 each), except the budget optimum: the ceiling of any policy with the env's budget
+(--per_turn moves written each turn, the grid seen once a turn, --per_episode in all; 5 turns:
+0.48 on the slippery lake's 256 levels against the one-move-a-turn optimum's 0.28), which the
+solver's demonstrations play (starpo/demos.py, `envs.solvers.lake_budget_moves`). Policies:
+the --moves optimum (the ceiling of any one-move-a-turn policy), the solver (envs/solvers.py:
+the move that maximises the probability of ever reaching the goal), "towards the goal" (along
+the larger gap to it, blind to holes), and each constant move (blind to the grid). A sampled
+figure on N levels has a standard error of about sqrt(p (1 - p) / N): 0.024 at p = 0.2,
+N = 256.
 """
 
 import functools

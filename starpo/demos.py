@@ -2,8 +2,11 @@
 the policy would write it (the supervised warm start and the paper's SFT baseline: starpo/sft.py).
 
 Each turn the solver (`envs.solvers.next_moves`) reads the current env state on device and
-plans up to A moves (A = `actions_per_turn`, at most the turn's action budget; the slippery
-lake always plans one, then sees where it slid). The reply is the reference's format:
+plans up to A moves (A = `actions_per_turn`, at most the turn's action budget). On the slippery
+lake, where a move's outcome is random, it plans under the whole budget instead
+(`solvers.lake_budget_moves`: the sequence of up to A moves whose success is highest given the
+turns and moves left, each later turn planned again from where the player slid). The reply is
+the reference's format:
 
     thinking off (after `<answer>`):  Down || Left</answer>
     thinking on  (after `<think>`):   Plan: Down, Left.</think><answer>Down || Left</answer>
@@ -45,13 +48,11 @@ def reply_text(names, thinking: bool) -> str:
 
 def moves_per_turn(env, spec: rollout_lib.RolloutSpec, actions_per_turn: int = 0) -> int:
     """Most moves a demonstration reply plays: `actions_per_turn`, never more than the turn's
-    action budget; 0 = the budget (1 for the slippery lake: it re-plans after each slide),
-    cut to the most whose reply table has at most MAX_REPLIES rows (Sudoku's 729 placements:
-    one a reply). An `actions_per_turn` whose table is larger is a ValueError."""
+    action budget; 0 = the budget, cut to the most whose reply table has at most MAX_REPLIES
+    rows (Sudoku's 729 placements: one a reply). An `actions_per_turn` whose table is larger
+    is a ValueError."""
     budget = env_text.make_text(env, spec.max_actions_per_turn,
                                 spec.max_actions_per_traj).max_actions_per_turn
-    if getattr(env, "is_slippery", False):
-        return 1
     moves = min(actions_per_turn or budget, budget)
     V = len(solvers.move_names(env))
     fits = max([1] + [n for n in range(1, moves + 1) if sum(V ** i for i in range(1, n + 1))
@@ -107,9 +108,13 @@ def sequence_row(names, n, V: int):
     return jnp.where(n > 0, starts[jnp.clip(n, 0, A)] + code, 0).astype(jnp.int32)
 
 
-def solver_policy(env_list, tables, moves: tuple) -> rollout_lib.Policy:
+def solver_policy(env_list, tables, moves: tuple, budgets: tuple = ()) -> rollout_lib.Policy:
     """The episode loop's policy (reads the env states) that writes each row's solver reply;
-    `tables[i]` = `reply_table` of env i with `moves[i]` moves."""
+    `tables[i]` = `reply_table` of env i with `moves[i]` moves. `budgets[i]`: (turns, moves an
+    episode) of env i where its replies plan under that budget (the slippery lake:
+    `solvers.lake_budget_moves`, from the turn index and the actions each row has run), None
+    where they plan from the state alone (`solvers.next_moves`)."""
+    budgets = budgets or (None,) * len(env_list)
     bases = np.cumsum([0] + [t[0].shape[0] for t in tables])[:-1]
     N = max(t[0].shape[1] for t in tables)
     ids = jnp.asarray(np.concatenate([np.pad(t[0], ((0, 0), (0, N - t[0].shape[1])))
@@ -117,11 +122,19 @@ def solver_policy(env_list, tables, moves: tuple) -> rollout_lib.Policy:
     lens = jnp.asarray(np.concatenate([t[1] for t in tables]))
     stops = jnp.asarray(np.concatenate([t[2] for t in tables]))
 
-    def turn(state, chunk, valid, key, active, k, env_states):
-        del key, k
-        rows = []
-        for env, s, A, base in zip(env_list, env_states, moves, bases):
-            names, n = jax.vmap(lambda st, env=env, A=A: solvers.next_moves(env, st, A))(s)
+    def turn(state, chunk, valid, key, active, k, env_states, ran):
+        del key
+        rows, start = [], 0
+        for env, s, A, base, budget in zip(env_list, env_states, moves, bases, budgets):
+            size = jax.tree_util.tree_leaves(s)[0].shape[0]
+            if budget is None:
+                names, n = jax.vmap(lambda st, env=env, A=A: solvers.next_moves(env, st, A))(s)
+            else:
+                turns, per_episode = budget
+                names, n = jax.vmap(lambda st, used, env=env, A=A, T=turns, K=per_episode:
+                                    solvers.lake_budget_moves(env, st, T - k, K - used, A, T, K))(
+                    s, ran[start:start + size])
+            start += size
             V = len(solvers.move_names(env))
             rows.append(base + jax.vmap(lambda a, m, V=V: sequence_row(a, m, V))(names, n))
         r = jnp.concatenate(rows)
@@ -145,8 +158,12 @@ def make_demo_rollout(env, tokenizer, spec: rollout_lib.RolloutSpec, actions_per
     check_solvable(env)
     *table, moves = reply_table(env, tokenizer, spec, moves_per_turn(env, spec, actions_per_turn),
                                 fit=not actions_per_turn)
+    budget = None
+    if getattr(env, "is_slippery", False):  # the lake: plans under the turns and moves left
+        budget = (spec.max_turn, env_text.make_text(env, spec.max_actions_per_turn,
+                                                    spec.max_actions_per_traj).max_actions_per_traj)
     play = rollout_lib.make_policy_rollout((env,), tokenizer, spec,
-                                           solver_policy((env,), (table,), (moves,)))
+                                           solver_policy((env,), (table,), (moves,), (budget,)))
 
     @jax.jit
     def run(env_state, key):

@@ -124,8 +124,9 @@ class Policy(NamedTuple):
     # (state, chunk, valid, key, active [B], k) -> (state, Turn): append turn k's observation
     # and reply (rows not active are untouched)
     turn: Callable
-    # True: `turn` also gets the env states (a tuple, one state [B_i] per env variant) as its
-    # last argument, for a policy that reads the level itself (`demos`: a solver's moves)
+    # True: `turn` also gets the env states (a tuple, one state [B_i] per env variant) and the
+    # actions each row has run (int32[B]) as its last arguments, for a policy that reads the
+    # level and its budget itself (`demos`: a solver's moves)
     sees_env: bool = False
 
 
@@ -336,7 +337,7 @@ def _policy_step(b: _Batch, policy: Policy, c: EpisodeCarry, k, chunk, valid, ke
     B, N = c.alive.shape[0], b.setup.spec.max_new_tokens
 
     def go(c):
-        env = (c.env,) if policy.sees_env else ()
+        env = (c.env, c.num_actions) if policy.sees_env else ()
         return policy.turn(c.policy, chunk, valid, key, c.alive, k, *env)
 
     def skip(c):

@@ -90,6 +90,36 @@ def test_lake_demonstrations_walk_a_shortest_path(lake):
     assert checked == 96
 
 
+def test_slippery_lake_demonstrations_play_the_budget(tiny_tokenizer):
+    """The paper's slippery 4x4 lake, 5 turns of up to 5 moves, 10 an episode: the replies
+    write up to 5 moves each and 10 in all, several in one reply on some levels (the budget
+    plan, `solvers.lake_budget_moves`), and 128 episodes succeed as often as the plan's exact
+    success on their levels (experiments/lake_baselines.py's `budget_optimum`, 0.48 on the
+    validation levels) within 3.5 standard errors: one move a turn (0.28) would fall outside."""
+    from configs.frozenlake import OPTIONS
+    from experiments import lake_baselines
+
+    env = envs.make("FrozenLake", **OPTIONS)
+    spec = rollout.RolloutSpec(max_turn=5, max_new_tokens=48, max_context=2048, thinking=False)
+    play = demos.make_demo_rollout(env, tiny_tokenizer, spec)
+    levels = 128
+    states, _ = rollout.initial_states(env, jax.random.key(0), 0, rollout.TRAIN, levels, 1)
+    traj, _, weight = jax.device_get(play(states, jax.random.key(1)))
+    counts = [[len(answer_moves(t, thinking=False)) for t in replies(tiny_tokenizer, traj, row)]
+              for row in range(levels)]
+    assert all(1 <= c <= 5 for row in counts for c in row) and max(map(sum, counts)) <= 10
+    assert max(max(row) for row in counts) > 1
+    grids, starts = np.asarray(states.grid), np.asarray(states.pos)
+    exact = np.mean([lake_baselines.budget_optimum(grids[i], starts[i], 5, 5, 10)
+                     for i in range(levels)])
+    one_a_turn = np.mean([lake_baselines.success(grids[i], starts[i], 5, None)
+                          for i in range(levels)])
+    played = np.mean(traj.success[weight > 0]) * (weight > 0).mean()
+    se = np.sqrt(exact * (1 - exact) / levels)
+    assert abs(played - exact) < 3.5 * se and played > one_a_turn + 2 * se, (
+        played, exact, one_a_turn)
+
+
 def sokoban_play(rows, moves):
     """Replay moves on a Sokoban text grid (the env's push rules); True when every box is on
     a target."""

@@ -1,6 +1,7 @@
 """envs/solvers.py against slow Python/NumPy references: plan lengths, played-out plans, values."""
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +247,61 @@ def test_slippery_rollouts_succeed_as_often_as_the_value():
         assert value[i] - within < 0.01
         sigma = np.sqrt(value[i] * (1 - value[i]) / episodes)
         assert abs(won.mean() - value[i]) < 4 * sigma + (value[i] - within), (won.mean(), value[i])
+
+
+def test_the_budget_plan_attains_the_budget_optimum():
+    """The slippery lake under the env's budget (5 turns, up to 5 moves a turn, 10 in all):
+    the policy that writes `lake_budget_plan`'s sequence each turn, evaluated exactly here
+    (every slip of every move, a hole or the goal ending the sequence, the next turn planned
+    from where it leaves the player with the moves left), succeeds exactly as often as
+    experiments/lake_baselines.py's `budget_optimum`, an independent dynamic programme, and
+    at least as often as one move a turn can; `lake_budget_moves` writes the plan's first
+    turn. Also on a budget of 3 turns of up to 3 moves, 4 in all (the moves run out first)."""
+    import itertools
+
+    from experiments import lake_baselines
+
+    env = envs.make("FrozenLake", size=4, is_slippery=True)
+    starts = vmapped(env.reset)(jax.random.split(jax.random.key(3), 6))
+    for turns, per_turn, per_episode in ((5, 5, 10), (3, 3, 4)):
+        sequences = [seq for m in range(1, per_turn + 1)
+                     for seq in itertools.product(range(4), repeat=m)]
+        choice, _ = (np.asarray(x) for x in vmapped(
+            lambda g, T=turns, A=per_turn, K=per_episode: solvers.lake_budget_plan(
+                env, g, A, T, K))(starts.grid))
+        names, n = (np.asarray(x) for x in vmapped(
+            lambda s, T=turns, A=per_turn, K=per_episode: solvers.lake_budget_moves(
+                env, s, T, K, A, T, K))(starts))
+        for i in range(6):
+            grid, start = np.asarray(starts.grid[i]), tuple(int(x) for x in starts.pos[i])
+
+            @functools.cache
+            def value(cell, t, k, i=i, grid=grid):
+                r, c = divmod(cell, 4)
+                if grid[r, c] != 0 or t == 0 or k == 0:
+                    return float(grid[r, c] == 2)
+                moves = sequences[choice[i, t - 1, k, cell]]
+                assert len(moves) <= min(per_turn, k)
+
+                def play(r, c, rest):
+                    if grid[r, c] != 0:
+                        return float(grid[r, c] == 2)
+                    if not rest:
+                        return value(r * 4 + c, t - 1, k - len(moves))
+                    return sum(play(*lake_target(4, r, c, rest[0] + s), rest[1:])
+                               for s in (-1, 0, 1)) / 3
+
+                return play(r, c, moves)
+
+            cell = start[0] * 4 + start[1]
+            want = lake_baselines.budget_optimum(grid, start, turns, per_turn, per_episode)
+            got = value(cell, turns, per_episode)
+            assert abs(got - want) < 1e-5, (i, turns, got, want)
+            one_a_turn = lake_baselines.success(grid, start, min(turns, per_episode), None)
+            assert got >= one_a_turn - 1e-6
+            if want > 0:
+                first = sequences[choice[i, turns - 1, per_episode, cell]]
+                assert tuple(names[i, :n[i]]) == first, (i, names[i], n[i], first)
 
 
 # ------------------------------------------------------------------ Sokoban
