@@ -8,6 +8,7 @@ OUT/<step>.log.
   python -m benchmarks.gpu_report                  # ~8 minutes on one H100 / H200
   python -m benchmarks.gpu_report --steps=update,iteration --out=/tmp/gpu
   python -m benchmarks.gpu_report --quick          # tiny shapes: checks the command on a CPU
+  python -m benchmarks.gpu_report --steps=xla,decode   # the sampler under XLA flag variants
 
 Each step runs in a process of its own with a time limit (a step that fails or runs out of time
 is recorded as such and the others still run). The PyTorch baselines need torch and
@@ -101,12 +102,13 @@ def pytest_counts(text: str) -> dict:
     return counts
 
 
-def run_step(name: str, limit: float, argv: list, out: str) -> dict:
+def run_step(name: str, limit: float, argv: list, out: str, env=None) -> dict:
     t = time.time()
     log = os.path.join(out, f"{name}.log")
     with open(log, "w", encoding="utf-8") as f:
         try:
-            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=limit).returncode
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=limit,
+                                env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "time limit"
     with open(log, encoding="utf-8", errors="replace") as f:
@@ -118,6 +120,21 @@ def run_step(name: str, limit: float, argv: list, out: str) -> dict:
         result["result"] = last_json(text)
     print(f"[{name}] rc={rc} in {result['seconds']} s", file=sys.stderr, flush=True)
     return result
+
+
+def xla_variants(a, sampler_step) -> dict:
+    """The sampler, JAX alone, under XLA's defaults and then under each of --xla_variants'
+    XLA_FLAGS (added to the environment's), one process each, side by side in one run:
+    {"variants": [{"xla_flags", "rc", "seconds", "tokens_per_s"}]} (logs xla0.log, ...)."""
+    limit, argv = sampler_step
+    base = os.environ.get("XLA_FLAGS", "")
+    out = []
+    for i, flags in enumerate([""] + [v.strip() for v in a.xla_variants.split(";") if v.strip()]):
+        r = run_step(f"xla{i}", limit, argv + ["--torch=no"], a.out,
+                     env=dict(os.environ, XLA_FLAGS=f"{base} {flags}".strip()))
+        out.append({"xla_flags": flags, "rc": r["rc"], "seconds": r["seconds"],
+                    "tokens_per_s": (r.get("result") or {}).get("tokens_per_s")})
+    return {"variants": out}
 
 
 def headline(report: dict) -> dict:
@@ -153,6 +170,9 @@ def headline(report: dict) -> dict:
         "peak_gb": max(peaks) if peaks else None,
         "rollout_fraction_of_bound": get("iteration", "rollout_fraction_of_bound"),
         "sampler_trainer": get("iteration", "sampler_trainer"),
+        "sampler_tokens_per_s_by_xla_flags": {
+            v["xla_flags"] or "default": v["tokens_per_s"]
+            for v in (s.get("xla") or {}).get("variants", [])} or None,
         "lora_over_full_tokens_per_s": get("lora", "lora_over_full_tokens_per_s"),
         "lora_peak_gb": get("lora", "lora_peak_memory_gb"),
         "tests_passed": tests.get("passed"),
@@ -179,7 +199,11 @@ def main(argv=None):
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
     p.add_argument("--steps", default="tests,update,sampler,decode,iteration",
                    help="comma-separated subset of: tests, update, sampler, decode, iteration, "
-                        "lora")
+                        "lora, xla")
+    p.add_argument("--xla_variants", default="--xla_gpu_enable_triton_gemm=false",
+                   help="the xla step: XLA_FLAGS variants the sampler runs under beside the "
+                        "defaults, separated by ';' (the first: cuBLAS, not Triton, for the "
+                        "decode step's matmuls, 57%% of its kernel time on an H100)")
     p.add_argument("--tests", default=",".join(TEST_FILES), help="comma-separated test files")
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers")
     p.add_argument("--tests_s", type=float, default=240, help="time limit of the tests, s")
@@ -191,9 +215,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     plan = steps(a)
     chosen = [n for n in a.steps.split(",") if n]
-    unknown = [n for n in chosen if n not in plan]
+    unknown = [n for n in chosen if n not in plan and n != "xla"]
     if unknown:
-        sys.exit(f"error: --steps: unknown {', '.join(unknown)} (known: {', '.join(plan)})")
+        sys.exit(f"error: --steps: unknown {', '.join(unknown)} (known: {', '.join(plan)}, xla)")
     os.makedirs(a.out, exist_ok=True)
     report = {"argv": sys.argv[1:], "model": TINY if a.quick else a.model,
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -201,6 +225,9 @@ def main(argv=None):
               # decode loop, say) are part of what was measured
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "steps": {}}
     for name in chosen:
+        if name == "xla":
+            report["steps"][name] = xla_variants(a, plan["sampler"])
+            continue
         limit, cmd = plan[name]
         report["steps"][name] = run_step(name, limit, cmd, a.out)
     report["headline"] = headline(report)

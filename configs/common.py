@@ -368,9 +368,10 @@ def gpu(c: ml_collections.ConfigDict) -> None:
     whole run a few minutes. Timed on one H100 for FrozenLake (docs/results.md, "SmolLM2 on a
     GPU"): an SFT step of 32 demonstrations 0.24 s, an RL step 0.7-1.0 s, each validation of
     2 x 256 levels 1.7 s once compiled; 500 SFT steps brought the slippery lake to the
-    solver's success and SimpleSokoban to 0.895 (solver 0.996) (on a 2-core CPU, 250 steps on
-    the non-slippery lake: 0.828, solver 0.957), and 20-40 RL steps after them
-    at these rates held both but moved nothing
+    one-move-a-turn solver's success (its demonstrations now play up to 5 moves a turn: not yet
+    run), the non-slippery one to 0.90 (three seeds) and SimpleSokoban to 0.895 (solver
+    0.996), and 20-84 RL steps after them
+    at these rates held each but moved nothing beyond the noise
     (one on-policy Adam step a batch at lr 1e-5 on a near-deterministic policy, close to the
     solver's success; on a tiny model the same regime lifts a weaker warm start by +0.15 and
     a strong one by +0.02: docs/results.md, "Supervised warm start").

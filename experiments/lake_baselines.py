@@ -91,23 +91,22 @@ def budget_optimum(grid, pos, turns: int, per_turn: int, per_episode: int,
                     to = min(max(r + dr, 0), n - 1) * n + min(max(c + dc, 0), n - 1)
                     step[a, r * n + c, to] += 1 / (3 if slippery else 1)
     goal = (flat == frozenlake.GOAL).astype(np.float64)
-    mats, gains, lengths = [], [], []
-    level = [(np.eye(n * n) * frozen, np.zeros(n * n))]  # the empty sequence
-    for length in range(1, per_turn + 1):
-        level = [(a_s @ step[a] * frozen, g_s + a_s @ step[a] @ goal)
-                 for a_s, g_s in level for a in range(4)]
-        mats += [m for m, _ in level]
-        gains += [g for _, g in level]
-        lengths += [length] * len(level)
-    mats, gains, lengths = np.stack(mats), np.stack(gains), np.asarray(lengths)
+    live, gain = (np.eye(n * n) * frozen)[None], np.zeros((1, n * n))  # the empty sequence
+    mats, gains = [], []
+    for _ in range(per_turn):  # sequence s * 4 + a: s, then move a
+        moved = np.einsum("scd,ade->sace", live, step).reshape(-1, n * n, n * n)
+        gain = np.repeat(gain, 4, axis=0) + moved @ goal
+        live = moved * frozen
+        mats.append(live)
+        gains.append(gain)
+    mats, gains = np.concatenate(mats), np.concatenate(gains)
+    lengths = np.repeat(np.arange(1, per_turn + 1), [4 ** m for m in range(1, per_turn + 1)])
+    behind = np.arange(per_episode + 1)[None, :] - lengths[:, None]  # [S, K+1]: moves left after
+    rows = np.arange(len(lengths))[:, None]
     value = np.zeros((per_episode + 1, n * n))  # V[t - 1, k] for k moves left; V[0] = 0
     for _ in range(turns):
-        new = np.zeros_like(value)
-        for k in range(1, per_episode + 1):
-            ok = lengths <= k
-            new[k] = (gains[ok] + np.einsum("scd,sd->sc", mats[ok],
-                                             value[k - lengths[ok]])).max(axis=0)
-        value = new
+        after = (mats @ value.T).transpose(0, 2, 1)[rows, np.clip(behind, 0, None)]
+        value = np.where((behind >= 0)[..., None], gains[:, None, :] + after, 0.0).max(axis=0)
     return float(value[per_episode, int(pos[0]) * n + int(pos[1])])
 
 

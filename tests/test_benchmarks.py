@@ -91,6 +91,12 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
     v = g.verdicts(head)
     assert v["iteration_s"].startswith("met") and v["plan_max_gb"].startswith("missed")
     assert v["tests_failed"].startswith("missed") and v["update_mfu"] == "unmeasured"
+    assert head["sampler_tokens_per_s_by_xla_flags"] is None  # the xla step not run
+    report["steps"]["xla"] = {"variants": [
+        {"xla_flags": "", "tokens_per_s": 100.0},
+        {"xla_flags": "--xla_gpu_enable_triton_gemm=false", "tokens_per_s": None}]}
+    assert g.headline(report)["sampler_tokens_per_s_by_xla_flags"] == {
+        "default": 100.0, "--xla_gpu_enable_triton_gemm=false": None}
 
 
 # A hand-written optimised module: the entry runs a while loop whose body holds a layer's
