@@ -110,10 +110,10 @@ def main(argv):
 
             gb = gb_of(run)
             peak = max(gb.values())
-            # where it does not fit, what a run on an accelerator tries (training.fit_memory):
+            # what a run on an accelerator tries where it does not fit (training.fit_memory):
             # the state in host memory while sampling, then also one decode window
-            tried = ([(max(gb_of(r).values()), label) for r, label in offload_runs]
-                     if peak > 24 else [])
+            alts = [(label, gb_of(r)) for r, label in offload_runs]
+            tried = [(max(g.values()), label) for label, g in alts] if peak > 24 else []
 
             def fit(cap):
                 if peak <= cap:
@@ -121,12 +121,17 @@ def main(argv):
                 return next((f"yes, {label} ({p:.1f})" for p, label in tried if p <= cap), "no")
 
             fits = " / ".join(fit(cap) for cap in (24, 80))
-            rows.append(f"| {name} | {n} | {gb['rollout']:.1f} | {gb['validation']:.1f} | "
-                        f"{gb['update']:.1f} | {fits} |")
+            def key(label):
+                return label.replace(", ", "_").replace(" ", "_")
+
+            sampling = "".join(f"; {label}: {g['rollout']:.1f}" for label, g in alts)
+            rows.append(f"| {name} | {n} | {gb['rollout']:.1f}{sampling} | {gb['validation']:.1f} "
+                        f"| {gb['update']:.1f} | {fits} |")
             out.append({"model": name, "params": cfg.num_params, "devices": n, **gb,
-                        **{f"peak_{label.replace(', ', '_').replace(' ', '_')}": p
-                           for p, label in tried}})
-    print("| model | devices | rollout GB | validation GB | update GB | fits 24 / 80 GB |")
+                        **{f"rollout_{key(label)}": g["rollout"] for label, g in alts},
+                        **{f"peak_{key(label)}": p for p, label in tried}})
+    print("| model | devices | rollout GB (and with the state offloaded) | validation GB | "
+          "update GB | fits 24 / 80 GB |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(json.dumps(out))
