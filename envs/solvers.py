@@ -3,6 +3,8 @@
     names, n = next_moves(env, state, max_moves)   # one unbatched state; vmap for a batch
     has_solver(env), solver_success(env, state)
     optimal_moves(lake, state)                     # FrozenLake: every move an optimal plan may take
+    lake_budget_moves(lake, state, turns_left, moves_left, per_turn, turns, per_episode)
+                                                   # FrozenLake under an episode's action budget
 
 `names` are indices into `move_names(env)`: `env.action_names` (turn them into action ids with
 `env.name_to_action(state, names)`: for Bandit the id depends on the arm order), or for an env
@@ -25,7 +27,9 @@ resumed from the state it led to.
   the maximal actions that keeps the goal reachable is an optimal stationary policy (the
   standard argument for maximal reachability); n = 1 iff the cell has a rank (value > 0).
   One move per call: after a slip the next call plans afresh. (On lakes so large that a
-  discounted value underflows float32 the rank alone decides.)
+  discounted value underflows float32 the rank alone decides.) `lake_budget_moves` plans
+  under an episode's turns and moves instead, several moves a turn where that helps: the
+  slippery lake's demonstrations (starpo/demos.py).
 - Sokoban with one box: dense dynamic programming over (player cell, box cell): the fewest
   moves to put the box on a target by backward Bellman rounds with `step`'s exact walk and push
   rules, followed greedily for up to `max_moves` moves. Two boxes: the same over (player, box,
@@ -269,8 +273,12 @@ def _lake_sequences(env, grid, per_turn: int):
         live = moved * frozen
         mats.append(live)
         gains.append(gain)
-    lengths = np.repeat(np.arange(1, per_turn + 1), [4 ** m for m in range(1, per_turn + 1)])
-    return jnp.concatenate(mats), jnp.concatenate(gains), lengths
+    return jnp.concatenate(mats), jnp.concatenate(gains), _sequence_lengths(per_turn)
+
+
+def _sequence_lengths(per_turn: int) -> np.ndarray:
+    """int[S]: each sequence's length in `_lake_sequences`' order (4 ** m of length m)."""
+    return np.repeat(np.arange(1, per_turn + 1), [4 ** m for m in range(1, per_turn + 1)])
 
 
 def lake_budget_plan(env, grid, per_turn: int, turns: int, per_episode: int):
@@ -317,9 +325,9 @@ def lake_budget_moves(env, state, turns_left, moves_left, per_turn: int, turns: 
     t = jnp.clip(turns_left - 1, 0, turns - 1)
     k = jnp.clip(moves_left, 0, per_episode)
     pick = choice[t, k, cell]
-    counts = [4 ** m for m in range(1, per_turn + 1)]
-    length = jnp.asarray(np.repeat(np.arange(1, per_turn + 1), counts))[pick]
-    local = pick - jnp.asarray(np.cumsum([0] + counts))[length - 1]
+    lengths = _sequence_lengths(per_turn)
+    length = jnp.asarray(lengths)[pick]
+    local = pick - jnp.asarray(np.searchsorted(lengths, np.arange(1, per_turn + 1)))[length - 1]
     j = jnp.arange(per_turn)
     names = (local // 4 ** jnp.clip(length - 1 - j, 0, None)) % 4  # the first move leads
     live = ~env.is_done(state) & (turns_left >= 1) & (k >= 1) & (value[t, k, cell] > 0)
