@@ -69,6 +69,11 @@ def kernels(backend: str, cfg, dtype: str) -> str:
     return "cudnn" if backend == "gpu" and cudnn else "xla"
 
 
+def _key(label: str) -> str:
+    """A JSON key of an offloading label: "offloading, 1 window" -> "offloading_1_window"."""
+    return label.replace(", ", "_").replace(" ", "_")
+
+
 def main(argv):
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments: {argv[1:]}")
@@ -121,15 +126,12 @@ def main(argv):
                 return next((f"yes, {label} ({p:.1f})" for p, label in tried if p <= cap), "no")
 
             fits = " / ".join(fit(cap) for cap in (24, 80))
-            def key(label):
-                return label.replace(", ", "_").replace(" ", "_")
-
             sampling = "".join(f"; {label}: {g['rollout']:.1f}" for label, g in alts)
             rows.append(f"| {name} | {n} | {gb['rollout']:.1f}{sampling} | {gb['validation']:.1f} "
                         f"| {gb['update']:.1f} | {fits} |")
             out.append({"model": name, "params": cfg.num_params, "devices": n, **gb,
-                        **{f"rollout_{key(label)}": g["rollout"] for label, g in alts},
-                        **{f"peak_{key(label)}": p for p, label in tried}})
+                        **{f"rollout_{_key(label)}": g["rollout"] for label, g in alts},
+                        **{f"peak_{_key(label)}": p for p, label in tried}})
     print("| model | devices | rollout GB (and with the state offloaded) | validation GB | "
           "update GB | fits 24 / 80 GB |")
     print("|---|---|---|---|---|---|")
