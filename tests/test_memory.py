@@ -283,8 +283,13 @@ def test_the_plan_command_prints_the_table_for_known_shapes():
     assert [r["params"] for r in rows[:2]] == [494032768] * 2  # Qwen2.5-0.5B, counted by hand
     one, eight, big, _ = rows
     # RAGEN-2's Qwen2.5-3B on one device: its sampling phases within 40 GB once the state is in
-    # host memory and the cache held once (one decode window), as a run tries (issue 34)
-    assert big["rollout_offloading_1_window"] <= 40 < big["rollout_offloading"] < big["rollout"]
+    # host memory and the cache held once (one decode window), as a run tries (issue 34). The
+    # plan follows the installed jax: 0.7.1's XLA holds the cache twice even with one window
+    # (memory.cache_copies), which puts that phase at ~56 GB on CI's oldest pins.
+    from starpo import memory
+
+    bound = 40 if memory.cache_copies(1) == 1.0 else 56
+    assert big["rollout_offloading_1_window"] <= bound < big["rollout_offloading"] < big["rollout"]
     assert eight["update"] < one["update"] / 2  # FSDP splits the state 8 ways
     # one device misses 24 GB by its sampling phases, which leave the state in host memory
     # under offloading (the update keeps it: its plan is unchanged)
