@@ -46,7 +46,8 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     import jax
 
-    from starpo import config_check, evaluate, experiment, harness, rollout, run_config
+    from starpo import (config_check, evaluate, experiment, harness, rollout, run_config,
+                        sharding)
 
     if FLAGS.out:  # an unwritable place fails now, not after the evaluation
         folder = os.path.dirname(os.path.abspath(FLAGS.out))
@@ -82,12 +83,17 @@ def main(argv):
         raise ValueError(f"{where}{e} (--groups / --group_size change the set, --batch_size "
                          f"the chunk)") from None
     policy = policy or experiment.load_policy(config)
+    # on the run's mesh, as its validation: the same programs, which JAX's persistent cache
+    # then holds from the run's own validations (where the shapes agree)
+    run = run_config.read(config)
+    mesh = sharding.make_mesh(*run.mesh)
+    policy = experiment.on_mesh(policy, mesh)
+    sets = experiment.eval_sets(run, policy, mesh, tags, env_groups=groups, group_size=size,
+                                batch_size=batch_size)
     results = {}
-    for tag in tags:
-        es = evaluate.make_eval_set(tag, run_config.make_env(config, tag), policy.tokenizer,
-                                    policy.cfg, env_groups=groups, group_size=size,
-                                    spec=run_config.rollout_spec(config), batch_size=batch_size)
-        traj, m = es.play(policy.params, jax.random.key(FLAGS.seed), temperature)
+    for tag, es in sets.items():
+        with jax.set_mesh(mesh):
+            traj, m = es.play(policy.params, jax.random.key(FLAGS.seed), temperature)
         results[tag] = evaluate.summarize(traj, m, size)
         print(f"{tag}: {groups} levels x {size} at temperature {temperature}: "
               f"success {results[tag]['success']:.3f} (standard error "

@@ -126,10 +126,8 @@ def build(run: run_config.RunSpec, policy: weights.LoadedModel | None = None) ->
     mesh = sharding.make_mesh(*run.mesh)
     policy = policy or load_policy(run.config)
     model_lib.check_kernels(policy.cfg.replace(dtype=update_dtype))
-    # weights go straight to their shards (each device receives only its slice)
-    policy = dataclasses.replace(policy, params=sharding.put(
-        policy.params, model_lib.param_shardings(policy.cfg, mesh)))
-    options = FAST_COMPILE if run.trainer.fast_compile else None
+    policy = on_mesh(policy, mesh)
+    options = compiler_options(run)
     train_env, ro, initial_states, run_chunk, run_rollout = _training_rollout(
         run, policy, mesh, options)
     critic_cfg, critic_params = critic_params_from(run.config, policy) if algo.uses_critic else (
@@ -141,26 +139,60 @@ def build(run: run_config.RunSpec, policy: weights.LoadedModel | None = None) ->
     # a fresh state is created in place on the mesh: Adam moments born sharded like weights
     init_state = update_lib.make_init(algo, state_shardings)
 
-    val_sets = {}
     v = run.val.batch
-    for tag in run.val.tags:
-        venv = run.envs[tag]
-        # a validation chunk of the training env and size plays on the training's program
-        same = _plays_on_training_program(run, tag)
-        val_sets[tag] = evaluate.make_eval_set(
-            tag, venv, policy.tokenizer, policy.cfg, env_groups=v.env_groups,
-            group_size=v.group_size, spec=run.rollout, compiler_options=options,
-            rollout=ro if same else None, run_from=run_chunk if same else None,
-            batch_size=v.chunk, rows_sharding=sharding.batch_sharding(mesh, v.episodes))
+    val_sets = eval_sets(run, policy, mesh, run.val.tags, env_groups=v.env_groups,
+                         group_size=v.group_size, batch_size=v.chunk, training=(ro, run_chunk))
     return Experiment(run, algo, policy, critic_cfg, env, run.mix, ro, run_rollout, initial_states,
                       update, val_sets, options, critic_params, mesh, state_shardings,
                       init_state, run_chunk)
 
 
+def on_mesh(policy: weights.LoadedModel, mesh) -> weights.LoadedModel:
+    """`policy` with its weights on `mesh` as a run places them (each device receives only its
+    slice)."""
+    return dataclasses.replace(policy, params=sharding.put(
+        policy.params, model_lib.param_shardings(policy.cfg, mesh)))
+
+
+def compiler_options(run: run_config.RunSpec) -> dict | None:
+    """The XLA options of a run's programs (`trainer.fast_compile`)."""
+    return FAST_COMPILE if run.trainer.fast_compile else None
+
+
+def eval_sets(run: run_config.RunSpec, policy: weights.LoadedModel, mesh, tags, *,
+              env_groups: int, group_size: int, batch_size: int, training=None) -> dict:
+    """{tag: EvalSet} of held-out levels played as the run's validation plays them: on `mesh`
+    (the levels' rows split over it, `policy` placed by `on_mesh`), with the run's rollout
+    settings and compiler options, and a set of the run's validation size that its validation
+    plays on the training batch's program on that program. So `launch/eval.py` of a run's
+    checkpoint traces the programs the run's validation compiled, which JAX's persistent cache
+    then serves. training: the run's (Rollout, jitted run_chunk) where built already. Trace and
+    play under `jax.set_mesh(mesh)`."""
+    v = run.val.batch
+    chunk = rollout_lib.chunk_size(env_groups * group_size, batch_size, group_size)
+    # a validation chunk of the training env and size plays on the training's program
+    shares = {tag for tag in tags if (env_groups, group_size, chunk) == (
+        v.env_groups, v.group_size, v.chunk) and _plays_on_training_program(run, tag)}
+    if shares and training is None:
+        _, ro, _, run_chunk, _ = _training_rollout(run, policy, mesh, compiler_options(run))
+        training = (ro, run_chunk)
+    out = {}
+    for tag in tags:
+        same = tag in shares
+        out[tag] = evaluate.make_eval_set(
+            tag, run.envs[tag] if tag in run.envs else run_config.make_env(run.config, tag),
+            policy.tokenizer,
+            policy.cfg, env_groups=env_groups, group_size=group_size, spec=run.rollout,
+            compiler_options=compiler_options(run), batch_size=chunk,
+            rollout=training[0] if same else None, run_from=training[1] if same else None,
+            rows_sharding=sharding.batch_sharding(mesh, env_groups * group_size))
+    return out
+
+
 def _plays_on_training_program(run: run_config.RunSpec, tag: str) -> bool:
     """Validation set `tag` is played by the training batch's compiled rollout: the same env
     (a one-env batch) and the same rows at once."""
-    return (len(run.mix) == 1 and run.envs[tag] == run.envs[run.mix[0][0]]
+    return (len(run.mix) == 1 and tag in run.envs and run.envs[tag] == run.envs[run.mix[0][0]]
             and run.val.batch.chunk == run.batch.chunk)
 
 

@@ -1,6 +1,7 @@
 """Configs and the command lines' handling of bad input: one line `error: ...`, exit status 2,
 nothing half-written. (Training itself is tested in test_training.py.)"""
 
+import json
 import os
 import subprocess
 import sys
@@ -150,6 +151,35 @@ def test_eval_and_export_need_a_run(tmp_path):
         "error: val.batch_size 8 is not whole groups of 1 episodes dividing the 3 episodes "
         "(0 = all at once) (--groups / --group_size change the set, --batch_size the chunk)"
     ], p.stderr
+
+
+def test_eval_of_a_run_replays_its_validation_programs(tmp_path):
+    """launch/eval.py of a run's checkpoint, on the run's validation sets, traces the very
+    programs that the run's validation compiled (`experiment.eval_sets`: the run's mesh,
+    shardings and compiler options), so JAX's persistent cache serves them and eval compiles
+    no rollout of its own (on a GPU a SmolLM2 rollout takes minutes to compile). Bandit's set
+    plays on the training batch's program, BanditTest's on one of its own."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+    def rollouts():  # the persistent cache's entries of levels and rollouts
+        return {f for f in os.listdir(cache) if f.startswith(("jit_play_from", "jit_initial"))}
+
+    run = ["launch/train.py", "--config=configs/bandit.py:tiny", f"--workdir={tmp_path}/run",
+           "--config.trainer.total_steps=1", "--config.val.tags=Bandit,BanditTest",
+           "--progress=false"]
+    p = subprocess.run([sys.executable, *run], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    trained = rollouts()
+    assert sum(f.startswith("jit_play_from") for f in trained) == 2, trained
+    p = subprocess.run([sys.executable, "launch/eval.py", f"--checkpoint={tmp_path}/run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    assert set(json.loads(p.stdout.strip().splitlines()[-1])["results"]) == {"Bandit",
+                                                                             "BanditTest"}
+    assert rollouts() == trained
 
 
 def test_a_run_saved_before_a_key_was_added_still_resumes():
