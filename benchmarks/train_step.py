@@ -17,6 +17,12 @@ iteration's phases, each compiled ahead of time and then run once on the same da
 The last line printed is one JSON object with seconds per phase, compile seconds, the biggest
 phase, token counts and tokens per second of the rollout and of the update.
 
+As a run does, it first fits the plan to the device (`training.fit_memory`: the optimizer state
+and the critic in host memory while the actor samples, then one decode window); where that
+moves the state, its round trip is one more phase, `offload`. --capacity_gb=24 fits it to a
+24 GB card instead of the device's own memory, so an 80 GB GPU measures, as its peaks, what a
+24 GB card would hold.
+
 Run from the repository root: `python -m` puts it on the import path.
 """
 
@@ -31,6 +37,8 @@ from ml_collections import config_flags
 from launch import common
 
 CONFIG = common.define_config("Config file, e.g. configs/frozenlake.py:cpu.")
+flags.DEFINE_float("capacity_gb", 0.0, "Fit the run's memory to a device of this many GB "
+                   "(0: the device's own).", lower_bound=0.0)
 FLAGS = flags.FLAGS
 
 
@@ -58,14 +66,18 @@ def main(argv):
     from starpo.trajectory import trimmed_length
 
     config = CONFIG.value
-    t = time.perf_counter()
-    exp = experiment.build(config)
-    build_s = time.perf_counter() - t
-    algo, cfg, r = exp.algo, exp.policy.cfg, config.rollout
-    compile_s, phase_s = {}, {}
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
+
+    t = time.perf_counter()
+    exp = experiment.build(config)
+    # as a run fits itself to the device (or to --capacity_gb)
+    exp = training.fit_memory(exp, log, FLAGS.capacity_gb * 1e9 or None)
+    build_s = time.perf_counter() - t
+    algo, cfg, r = exp.algo, exp.policy.cfg, config.rollout
+    offload = training.offloader(exp)
+    compile_s, phase_s = {}, {}
 
     def timed(name, jitted, *args):
         t = time.perf_counter()
@@ -82,12 +94,18 @@ def main(argv):
     plan = harness.memory_plan(exp, log=log)
     with jax.set_mesh(exp.mesh):
         state = experiment.initial_train_state(exp)
+        t = time.perf_counter()
+        state = jax.block_until_ready(offload(state, UP.HOST))  # where fit_memory said so
+        offload_s = time.perf_counter() - t
         k_roll, k_update = training.step_keys(config.seed, 0)
         env_state, group_id = exp.initial_states(jax.random.key(config.seed), jnp.int32(0))
         traj, m = timed("rollout", exp.run_rollout, state.actor_params, k_roll, env_state,
                         group_id, jnp.float32(r.temperature))
         summary = evaluate.summarize(traj, m, r.group_size)
         peaks = {"rollout": device_peak_gb()}
+        t = time.perf_counter()
+        state = jax.block_until_ready(offload(state, UP.DEVICE))
+        offload_s += time.perf_counter() - t
         # decode steps the loop took: each turn runs until the batch's longest reply ends
         mask, turn = np.asarray(traj.loss_mask), np.asarray(traj.turn_index)
         steps = sum(int(((turn == t) & mask).sum(axis=1).max()) for t in range(r.max_turn))
@@ -130,7 +148,9 @@ def main(argv):
         phases["values"] = phase_s["values"]
     phases["adv_filter"] = max(phase_s["prepare"] - forwards, 0.0)
     phases["ppo_updates"] = max(phase_s["update"] - phase_s["prepare"], 0.0)
-    total = phase_s["rollout"] + phase_s["update"]
+    if exp.run.trainer.offload_state:
+        phases["offload"] = offload_s
+    total = phase_s["rollout"] + phase_s["update"] + phases.get("offload", 0.0)
     mini, k = UP.num_updates(algo, kept.tokens.shape[0])
     trained = int(jax.device_get(kept.valid.sum()))
     result = {
@@ -160,6 +180,10 @@ def main(argv):
         # None on CPU): after the rollout, and after the update (the run's peak)
         "memory_gb": {"plan": {p.name: round(p.total / 1e9, 2) for p in plan},
                       "peak_after": peaks},
+        # what fit_memory chose for the device (or for --capacity_gb)
+        "fit": {"capacity_gb": FLAGS.capacity_gb or None,
+                "offload_state": exp.run.trainer.offload_state,
+                "decode_windows": exp.run.rollout.decode_windows},
         "action_is_valid": round(summary["action_is_valid"], 3),
     }
     print(json.dumps(result))

@@ -107,7 +107,7 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
     k_roll, k_update = step_keys(run.seed, step)
     if seed_counter is None:
         seed_counter = step * run.batch.env_groups
-    offload = _offload(exp)
+    offload = offloader(exp)
     state = offload(state, update_lib.HOST)  # (trainer.offload_state; else the same state)
     (traj, m), seed_counter, dyn = play_batch(exp, state.actor_params, k_roll, seed_counter)
     traj = jax.block_until_ready(traj)
@@ -147,7 +147,8 @@ def offload_frees(device) -> bool:
     return device.platform != "cpu" and update_lib.can_offload(device)
 
 
-def fit_memory(exp: experiment_lib.Experiment, log=print) -> experiment_lib.Experiment:
+def fit_memory(exp: experiment_lib.Experiment, log=print,
+               capacity: float | None = None) -> experiment_lib.Experiment:
     """`exp`, or where its memory plan does not fit the accelerator, the first of these that
     makes it fit, with a note saying so, instead of stopping: (1) the optimizer state and the
     critic in host memory while the actor samples (`trainer.offload_state`); (2) that and one
@@ -157,9 +158,14 @@ def fit_memory(exp: experiment_lib.Experiment, log=print) -> experiment_lib.Expe
     38.9 GB on one device with 2 (117.6 without, 55.8 with 1; its update, 110 GB, needs several
     devices; `launch/plan.py`). An explicit offload setting, a CPU (its
     "host memory" is the same memory), a device without host memory or a plan that fits keeps
-    `exp`; where neither fits, the plan's own error names the knobs."""
+    `exp`; where neither fits, the plan's own error names the knobs. capacity: bytes a device
+    holds, in place of the device's own (`benchmarks.train_step --capacity_gb`: a smaller card
+    on a larger one)."""
     run = exp.run
-    capacity, where = memory.device_capacity()
+    if capacity is None:
+        capacity, where = memory.device_capacity()
+    else:
+        where = "as asked"
     if run.trainer.offload_state or not capacity or not offload_frees(jax.devices()[0]):
         return exp
     before = max(harness.plan_phases(exp), key=lambda p: p.total)
@@ -190,7 +196,7 @@ def fit_memory(exp: experiment_lib.Experiment, log=print) -> experiment_lib.Expe
     return experiment_lib.build(new, exp.policy)  # the rollouts with one window
 
 
-def _offload(exp: experiment_lib.Experiment):
+def offloader(exp: experiment_lib.Experiment):
     """(state, memory kind) -> state: `update.offload` under `trainer.offload_state`, else the
     state as it is."""
     if not exp.run.trainer.offload_state:
@@ -384,7 +390,7 @@ class _Loop:
         return template
 
     def _validate(self, n: int, say) -> dict:
-        offload = _offload(self.exp)  # (trainer.offload_state) the state off the device meanwhile
+        offload = offloader(self.exp)  # (trainer.offload_state) the state off the device meanwhile
         self.state = offload(self.state, update_lib.HOST)
         scalars = experiment_lib.validate(self.exp, self.state.actor_params, self.writer, n)
         self.state = offload(self.state, update_lib.DEVICE)

@@ -30,13 +30,19 @@ def test_update_benchmark_reports_params_device_dtype_and_memory():
 def test_train_step_benchmark_runs_its_phases_ahead_of_time():
     """benchmarks/train_step.py on Bandit's tiny run: each phase compiled ahead of time and run
     on the same data (the update's program is called with the whole TrainState, as the update
-    is), and the last line one JSON object with every phase's seconds and the memory plan."""
+    is), and the last line one JSON object with every phase's seconds and the memory plan.
+    With the state offloaded while sampling (as `training.fit_memory` sets it where the plan
+    needs it), its round trip is a phase of its own and the JSON says what was fitted."""
     p = subprocess.run([sys.executable, "-m", "benchmarks.train_step",
-                        "--config=configs/bandit.py:tiny", "--config.trainer.fast_compile=True"],
+                        "--config=configs/bandit.py:tiny", "--config.trainer.fast_compile=True",
+                        "--config.trainer.offload_state=True", "--capacity_gb=24"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert set(out["phase_s"]) == {"rollout", "old_logprobs", "adv_filter", "ppo_updates"}
+    assert set(out["phase_s"]) == {"rollout", "old_logprobs", "adv_filter", "ppo_updates",
+                                   "offload"}
+    assert out["fit"] == {"capacity_gb": 24.0, "offload_state": True, "decode_windows": 1}
+    assert out["iteration_s"] >= out["phase_s"]["offload"] >= 0  # ms on a CPU: rounds to 0
     assert set(out["compile_s"]) == {"rollout", "old_logprobs", "prepare", "update"}
     assert out["episodes"] == 64 and out["iteration_s"] > 0
     assert set(out["memory_gb"]["plan"]) == {"rollout", "validation", "update"}
@@ -97,6 +103,17 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
         {"xla_flags": "--xla_gpu_enable_triton_gemm=false", "tokens_per_s": None}]}
     assert g.headline(report)["sampler_tokens_per_s_by_xla_flags"] == {
         "default": 100.0, "--xla_gpu_enable_triton_gemm=false": None}
+    # fitted to a 24 GB card, the iteration's plan and peaks are the ones held to 20 GB
+    fit = {"capacity_gb": 24.0, "offload_state": True, "decode_windows": 4}
+    report["steps"]["card24"] = {"result": {
+        "iteration_s": 3.9, "fit": fit,
+        "memory_gb": {"plan": {"rollout": 16.2, "update": 19.8},
+                      "peak_after": {"rollout": 15.0, "update": 19.5}}}}
+    head = g.headline(report)
+    assert (head["plan_max_gb"], head["peak_gb"], head["memory_measured_as"]) == (
+        19.8, 19.5, "card24")
+    assert head["card24_fit"] == fit and head["iteration_s"] == 3.5
+    assert g.verdicts(head)["plan_max_gb"].startswith("met")
 
 
 # A hand-written optimised module: the entry runs a while loop whose body holds a layer's
