@@ -231,11 +231,15 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         env_groups=32,  # levels per step, each played once by the solver
         lr=1e-5,  # AdamW (the algorithm's clipping, betas and weight decay), constant after
         warmup_steps=0,  # ... a linear warm-up over this many steps
-        # moves per demonstration reply (0 = the turn's action budget); the slippery lake
-        # always plays one and re-plans where it slid
+        # moves per demonstration reply (0 = the turn's action budget: on the slippery lake
+        # the sequence that succeeds most often with the turns and moves left, re-planned
+        # each turn where it slid)
         actions_per_turn=0,
         test_freq=10,  # validate every test_freq SFT steps and at the end (0 = never)
         save_freq=10,  # checkpoint every save_freq SFT steps (and at the end)
+        # steps whose demonstrations the solver plays in one call (the same numbers as one
+        # call a step; fewer, larger calls for an accelerator: starpo/sft.py `Phase`)
+        demo_steps=16,
     ))
 
     c.trainer = ml_collections.ConfigDict(dict(

@@ -73,6 +73,7 @@ RULES = {
     "sft.actions_per_turn": within(0, note="0 = the turn's action budget"),
     "sft.test_freq": within(0, note="0 = never"),
     "sft.save_freq": within(0, note="0 = only at the end"),
+    "sft.demo_steps": within(1),
 }
 
 

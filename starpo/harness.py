@@ -52,7 +52,7 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "trainer.collapse_mi_samples", "trainer.collapse_mi_micro_batch",
                      "trainer.collapse_mi_warn", "mesh.heartbeat_timeout_s", "sft.test_freq",
                      "trainer.collapse_mi_multi_turn", "trainer.offload_state",
-                     "sft.save_freq")
+                     "sft.save_freq", "sft.demo_steps")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
@@ -60,6 +60,7 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
               "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
               "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10,
+              "sft.demo_steps": 16,
               "model.init_from": "",
               "rollout.context_window_mode": "full", "rollout.max_context_window": -1,
               "trainer.collapse_mi_freq": 0, "trainer.collapse_mi_samples": 64,

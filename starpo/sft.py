@@ -131,14 +131,31 @@ class Phase:
     """What an SFT phase builds once (beside the run's Experiment)."""
 
     algo: run_config.AlgoConfig
-    demo: object  # jitted (env_state, key) -> (traj, metrics, weight) of the training env
-    levels: object  # jitted (key, seed) -> (env_state, group_id): sft.env_groups levels
+    # jitted steps int32[K] -> (traj, metrics, weight), each with a leading [K] axis: the
+    # solver's demonstrations of those SFT steps (each on its sft.env_groups levels)
+    demos: object
+    # K: the steps played at once (`sft.demo_steps`, or the phase's steps if fewer). A step's
+    # demonstrations are the same numbers either way (its levels and key are its own), but
+    # one call of many rows costs an accelerator little more than one of a step's rows (the
+    # solver's episodes are many small kernels: on one H100 a step's demonstrations took
+    # 0.11 s of its 0.24 s, docs/results.md); on a CPU, which computes them, it saves nothing
+    demo_steps: int
     step: object
     shardings: object  # the TrainState's shardings
     init: object  # jitted params -> TrainState
     scorer: object  # `make_scorer`: the held-out demonstrations' scores
     val_demos: dict | None = None  # `val_demos`, played at the first validation
     contexts: UpdateContexts | None = None  # the steps' update contexts (`run` sets it)
+    played: tuple | None = None  # (first step, `demos` of steps first .. first + K - 1)
+
+    def demos_of(self, step: int):
+        """(traj, metrics, weight) of SFT step `step`'s demonstrations: from the call that
+        played its K steps (first a multiple of K), made when a step first needs it."""
+        K = self.demo_steps
+        first = step - step % K
+        if self.played is None or self.played[0] != first:
+            self.played = (first, self.demos(jnp.arange(first, first + K, dtype=jnp.int32)))
+        return jax.tree_util.tree_map(lambda x: x[step - first], self.played[1])
 
 
 def build(spec: run_config.RunSpec, exp) -> Phase:
@@ -147,14 +164,19 @@ def build(spec: run_config.RunSpec, exp) -> Phase:
     algo = spec.sft.algo
     demo = demos.make_demo_rollout(exp.env, exp.policy.tokenizer, spec.rollout,
                                    spec.sft.actions_per_turn)
-    G, env = spec.sft.env_groups, exp.env
-    levels = jax.jit(lambda key, seed: rollout_lib.initial_states(
-        env, key, seed, rollout_lib.TRAIN, G, 1))
+    G, env, seed = spec.sft.env_groups, exp.env, spec.seed
+
+    def step_demos(step):  # SFT step `step`'s levels (seeds step * G ..) and demonstrations
+        env_state, _ = rollout_lib.initial_states(env, jax.random.key(seed), step * G,
+                                                  rollout_lib.TRAIN, G, 1)
+        return demo(env_state, jax.random.fold_in(jax.random.key(seed), step))
+
     cfg = exp.policy.cfg.replace(dtype=spec.model.dtypes["update"])
     shardings = update_lib.state_shardings(algo, exp.mesh, exp.policy.cfg)
     init = update_lib.make_init(algo, shardings)
-    return Phase(algo, demo, levels, make_step(algo, cfg), shardings, init,
-                 make_scorer(algo, cfg))
+    return Phase(algo, jax.jit(jax.vmap(step_demos)), max(1, min(spec.sft.demo_steps,
+                                                                  spec.sft.steps)),
+                 make_step(algo, cfg), shardings, init, make_scorer(algo, cfg))
 
 
 def val_demos(exp, spec: run_config.RunSpec) -> dict:
@@ -215,9 +237,7 @@ def train_step(phase: Phase, exp, state, step: int):
     """One SFT step on the levels of seeds step * sft.env_groups ..: (state, scalars)."""
     spec = exp.run
     t0 = time.perf_counter()
-    key = jax.random.fold_in(jax.random.key(spec.seed), step)
-    env_state, _ = phase.levels(jax.random.key(spec.seed), jnp.int32(step * spec.sft.env_groups))
-    traj, m, weight = phase.demo(env_state, key)
+    traj, m, weight = phase.demos_of(step)
     lengths = sharding.to_host(traj.length)
     if phase.contexts is None:
         phase.contexts = UpdateContexts(spec.trainer.context_bucket)

@@ -245,6 +245,7 @@ BAD = {
     "sft.actions_per_turn": ["x", "-1"],
     "sft.test_freq": ["x", "-1"],
     "sft.save_freq": ["x", "-1"],
+    "sft.demo_steps": ["x", "0"],
 }
 def parse(argv):
     """What `launch/train.py` does with its command line before `main`: -> config or UsageError."""

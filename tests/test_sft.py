@@ -280,12 +280,21 @@ def test_held_out_demonstrations_are_scored_token_by_token(lake):
     traj, _, _ = play(states, jax.random.key(1))
     weight = np.asarray([1.0, 0.0, 1.0, 1.0, 0.5, 1.0], np.float32)
     # a half-trained model, so that some replies are right and some are not
-    trained = with_changes(config, sft__steps=1, sft__lr=3e-3)
+    trained = with_changes(config, sft__steps=3, sft__lr=3e-3)
     exp = experiment.build(trained, policy)
     phase = sft.build(run_config.read(trained), exp)
     state = phase.init(policy.params)
     for step in range(3):
         state, _ = sft.train_step(phase, exp, state, step)
+    # the three steps' demonstrations came from one call (`Phase.demos`), each the solver's
+    # episodes of its own levels (seeds step * sft.env_groups ..) with its own key
+    assert phase.demo_steps == 3 and phase.played[0] == 0
+    G = trained.sft.env_groups
+    for step in (0, 2):
+        levels, _ = rollout.initial_states(env, jax.random.key(trained.seed), step * G,
+                                           rollout.TRAIN, G, 1)
+        alone = play(levels, jax.random.fold_in(jax.random.key(trained.seed), step))
+        jax.tree_util.tree_map(np.testing.assert_array_equal, phase.demos_of(step), alone)
     params = state.actor_params
     got = np.asarray(sft.make_scorer(run_config.sft_algo(config), policy.cfg)(params, traj, weight))
 
