@@ -163,11 +163,11 @@ def eval_sets(run: run_config.RunSpec, policy: weights.LoadedModel, mesh, tags, 
               env_groups: int, group_size: int, batch_size: int, training=None) -> dict:
     """{tag: EvalSet} of held-out levels played as the run's validation plays them: on `mesh`
     (the levels' rows split over it, `policy` placed by `on_mesh`), with the run's rollout
-    settings and compiler options, and a set of the run's validation size that its validation
-    plays on the training batch's program on that program. So `launch/eval.py` of a run's
-    checkpoint traces the programs the run's validation compiled, which JAX's persistent cache
-    then serves. training: the run's (Rollout, jitted run_chunk) where built already. Trace and
-    play under `jax.set_mesh(mesh)`."""
+    settings and compiler options; where the run's validation of a tag plays on the training
+    batch's program (`_plays_on_training_program`) and the set has the validation's size, on
+    that program too. So `launch/eval.py` of a run's checkpoint traces the programs the run's
+    validation compiled, which JAX's persistent cache then serves. training: the run's
+    (Rollout, jitted run_chunk), where built already. Play under `jax.set_mesh(mesh)`."""
     v = run.val.batch
     chunk = rollout_lib.chunk_size(env_groups * group_size, batch_size, group_size)
     # a validation chunk of the training env and size plays on the training's program
@@ -179,10 +179,10 @@ def eval_sets(run: run_config.RunSpec, policy: weights.LoadedModel, mesh, tags, 
     out = {}
     for tag in tags:
         same = tag in shares
+        env = run.envs[tag] if tag in run.envs else run_config.make_env(run.config, tag)
         out[tag] = evaluate.make_eval_set(
-            tag, run.envs[tag] if tag in run.envs else run_config.make_env(run.config, tag),
-            policy.tokenizer,
-            policy.cfg, env_groups=env_groups, group_size=group_size, spec=run.rollout,
+            tag, env, policy.tokenizer, policy.cfg, env_groups=env_groups,
+            group_size=group_size, spec=run.rollout,
             compiler_options=compiler_options(run), batch_size=chunk,
             rollout=training[0] if same else None, run_from=training[1] if same else None,
             rows_sharding=sharding.batch_sharding(mesh, env_groups * group_size))
