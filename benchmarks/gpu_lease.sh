@@ -61,9 +61,10 @@ case "${1:-}" in
     jobs=${LEASE_JOBS:-benchmarks/gpu_jobs.txt}
     grep -v -e '^\s*#' -e '^\s*$' "$jobs" > "$L/jobs.txt" || exit 1
     if [ "${LEASE_TESTS:-1}" != 0 ]; then
-      # four workers beside the jobs, a small share of the GPU's memory each
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 setsid nohup python -m pytest -q -n 4 \
-        -p no:cacheprovider -o addopts="-m 'not multiprocess'" > "$L/tests.log" 2>&1 < /dev/null &
+      # the README's command (pytest.ini: up to four workers), each worker beside the jobs
+      # with a small share of the GPU's memory
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 setsid nohup python -m pytest -q -p no:cacheprovider \
+        > "$L/tests.log" 2>&1 < /dev/null &
       echo $! > "$L/tests.pid"
       echo "tests started (log: $L/tests.log)"
     fi
