@@ -15,6 +15,7 @@ also writes it to FILE (complete or not at all: launch/reproduce.py reads these)
 import json
 import os
 import sys
+import time
 
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
     import _checkout  # noqa: F401
@@ -92,12 +93,15 @@ def main(argv):
                                 batch_size=batch_size)
     results = {}
     for tag, es in sets.items():
+        t0 = time.perf_counter()
         with jax.set_mesh(mesh):
             traj, m = es.play(policy.params, jax.random.key(FLAGS.seed), temperature)
         results[tag] = evaluate.summarize(traj, m, size)
+        # the seconds include compiling, where the persistent cache does not hold the program
         print(f"{tag}: {groups} levels x {size} at temperature {temperature}: "
               f"success {results[tag]['success']:.3f} (standard error "
-              f"{results[tag]['success_stderr']:.3f})", file=sys.stderr)
+              f"{results[tag]['success_stderr']:.3f}) in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
     print(f"\n{policy.source}\n" + evaluate.format_table(results))
     line = json.dumps({"model": policy.source, "step": step, "temperature": temperature,
                        "groups": groups, "group_size": size, "results": results})
