@@ -23,8 +23,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 L=/tmp/lease
-mkdir -p "$L"
+mkdir -p "$L/bin"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ! command -v python > /dev/null; then  # the jobs say `python`; some images have python3 only
+  ln -sf "$(command -v python3)" "$L/bin/python"
+fi
+export PATH="$L/bin:$PATH"
 
 running() {  # the pids of the jobs' and tests' sessions still alive
   for f in "$L"/*.pid; do [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && cat "$f"; done
