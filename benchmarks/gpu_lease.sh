@@ -51,7 +51,7 @@ collect() {
 
 case "${1:-}" in
   start)
-    pip install -q --no-index --no-deps --target /tmp/site .dev/whl/*.whl || exit 1
+    python -m pip install -q --no-index --no-deps --target /tmp/site .dev/whl/*.whl || exit 1
     cp .dev/p1/gguf.part* /tmp/ || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
     python -c "import jax; print('jax', jax.__version__, jax.devices())"
