@@ -28,7 +28,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if ! command -v python > /dev/null; then  # the jobs say `python`; some images have python3 only
   ln -sf "$(command -v python3)" "$L/bin/python"
 fi
-export PATH="$L/bin:$PATH"
+export PATH="$PATH:$L/bin"  # last: only where no other python is
 
 running() {  # the pids of the jobs' and tests' sessions still alive
   for f in "$L"/*.pid; do [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && cat "$f"; done
