@@ -51,6 +51,8 @@ def steps(a) -> dict:
     sample = ["--batch=4", "--prompt_len=32", "--new_tokens=16"] if a.quick else [
         "--batch=128", "--prompt_len=256", "--new_tokens=256"]
     config = "configs/frozenlake.py:tiny" if a.quick else "configs/frozenlake.py"
+    iteration = py + ["-m", "benchmarks.train_step", f"--config={config}",
+                      *([] if a.quick else [f"--config.model.path={model}"])]
     return {
         "tests": (a.tests_s, py + ["-m", "pytest", "-v", "-p", "no:cacheprovider",
                                    f"-n={a.workers}", "-o", "addopts=-m 'not multiprocess'",
@@ -59,13 +61,10 @@ def steps(a) -> dict:
                                    f"--torch_variants={a.torch_variants}"]),
         "sampler": (a.step_s, py + ["-m", "benchmarks.sampler", f"--model={model}", *sample,
                                     "--dtype=bfloat16", "--cache_dtype=bfloat16"]),
-        "iteration": (a.step_s, py + ["-m", "benchmarks.train_step", f"--config={config}",
-                                      *([] if a.quick else [f"--config.model.path={model}"])]),
+        "iteration": (a.step_s, iteration),
         # the same iteration fitted to a 24 GB card (`training.fit_memory`: the state in host
         # memory while sampling where the plan needs it), whose peaks issue 34 bounds at 20 GB
-        "card24": (a.step_s, py + ["-m", "benchmarks.train_step", f"--config={config}",
-                                   "--capacity_gb=24",
-                                   *([] if a.quick else [f"--config.model.path={model}"])]),
+        "card24": (a.step_s, iteration + ["--capacity_gb=24"]),
         # what one decode step launches and how often the host waits (compiled, not run)
         "decode": (a.step_s, py + ["-m", "benchmarks.decode_step", f"--model={model}", *sample,
                                    f"--hlo_out={os.path.join(a.out, 'decode_step.hlo')}",

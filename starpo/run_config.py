@@ -498,7 +498,7 @@ class SftSpec:
     test_freq: int
     save_freq: int
     algo: AlgoConfig
-    demo_steps: int = 16  # steps whose demonstrations are played in one call
+    demo_steps: int  # steps whose demonstrations are played in one call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,7 +553,7 @@ def read(config) -> RunSpec:
     window, dtypes = context_window(config), phase_dtypes(config)
     algo = _algo(config, window)
     sft = SftSpec(s.steps, s.env_groups, s.actions_per_turn, s.test_freq, s.save_freq,
-                  _sft_algo(algo, s), s.get("demo_steps", 16))
+                  _sft_algo(algo, s), s.get("demo_steps", 16))  # (a run saved before the key: 16)
     model = ModelSpec(m.remat, m.get("remat_policy", "full"), m.critic_path,
                       lora_settings(config), dtypes)
     mix, val = env_mix(config), ValSpec(_batch(v), val_tags(config), v.before_train, v.test_freq)

@@ -286,8 +286,6 @@ def test_the_plan_command_prints_the_table_for_known_shapes():
     # host memory and the cache held once (one decode window), as a run tries (issue 34). The
     # plan follows the installed jax: 0.7.1's XLA holds the cache twice even with one window
     # (memory.cache_copies), which puts that phase at ~56 GB on CI's oldest pins.
-    from starpo import memory
-
     bound = 40 if memory.cache_copies(1) == 1.0 else 56
     assert big["rollout_offloading_1_window"] <= bound < big["rollout_offloading"] < big["rollout"]
     assert eight["update"] < one["update"] / 2  # FSDP splits the state 8 ways
