@@ -309,7 +309,7 @@ def lake_budget_plan(env, grid, per_turn: int, turns: int, per_episode: int):
 
 
 def lake_budget_moves(env, state, turns_left, moves_left, per_turn: int, turns: int,
-                      per_episode: int):
+                      per_episode: int, plan=None):
     """(names int32[per_turn], n int32[]): on FrozenLake, the moves to write this turn under
     the env's action budget: of every sequence of 1..min(per_turn, moves_left) moves, the one
     whose success is highest when the turns after it (turns_left - 1 of them, the grid seen at
@@ -317,10 +317,14 @@ def lake_budget_moves(env, state, turns_left, moves_left, per_turn: int, turns: 
     (`lake_budget_plan`; on the paper's slippery lake with 5 turns of up to 5 moves, 10 in
     all, the best success is 0.48 against 0.28 for one move a turn). `turns` and `per_episode`
     (static) bound turns_left and moves_left; n = 0 when the state is done, nothing is left,
-    or no sequence can reach the goal."""
+    or no sequence can reach the goal. `plan`: `lake_budget_plan` of the state's grid with the
+    same budget, where the caller made it once for the episode (the grid never changes within
+    one), else made here."""
     if not isinstance(env, frozenlake.FrozenLake):
         raise TypeError(f"lake_budget_moves is for FrozenLake, not {getattr(env, 'name', env)!r}")
-    choice, value = lake_budget_plan(env, state.grid, per_turn, turns, per_episode)
+    if plan is None:
+        plan = lake_budget_plan(env, state.grid, per_turn, turns, per_episode)
+    choice, value = plan
     cell = state.pos[0] * env.size + state.pos[1]
     t = jnp.clip(turns_left - 1, 0, turns - 1)
     k = jnp.clip(moves_left, 0, per_episode)

@@ -108,13 +108,17 @@ def sequence_row(names, n, V: int):
     return jnp.where(n > 0, starts[jnp.clip(n, 0, A)] + code, 0).astype(jnp.int32)
 
 
-def solver_policy(env_list, tables, moves: tuple, budgets: tuple = ()) -> rollout_lib.Policy:
+def solver_policy(env_list, tables, moves: tuple, budgets: tuple = (), plans: tuple = ()
+                  ) -> rollout_lib.Policy:
     """The episode loop's policy (reads the env states) that writes each row's solver reply;
     `tables[i]` = `reply_table` of env i with `moves[i]` moves. `budgets[i]`: (turns, moves an
     episode) of env i where its replies plan under that budget (the slippery lake:
     `solvers.lake_budget_moves`, from the turn index and the actions each row has run), None
-    where they plan from the state alone (`solvers.next_moves`)."""
+    where they plan from the state alone (`solvers.next_moves`). `plans[i]`: env i's rows'
+    `solvers.lake_budget_plan` ([B_i]-batched), made once for the episode by the caller (else
+    made again every turn)."""
     budgets = budgets or (None,) * len(env_list)
+    plans = plans or (None,) * len(env_list)
     bases = np.cumsum([0] + [t[0].shape[0] for t in tables])[:-1]
     N = max(t[0].shape[1] for t in tables)
     ids = jnp.asarray(np.concatenate([np.pad(t[0], ((0, 0), (0, N - t[0].shape[1])))
@@ -125,15 +129,18 @@ def solver_policy(env_list, tables, moves: tuple, budgets: tuple = ()) -> rollou
     def turn(state, chunk, valid, key, active, k, env_states, ran):
         del key
         rows, start = [], 0
-        for env, s, A, base, budget in zip(env_list, env_states, moves, bases, budgets):
+        for env, s, A, base, budget, plan in zip(env_list, env_states, moves, bases, budgets,
+                                                 plans):
             size = jax.tree_util.tree_leaves(s)[0].shape[0]
             if budget is None:
                 names, n = jax.vmap(lambda st, env=env, A=A: solvers.next_moves(env, st, A))(s)
             else:
                 turns, per_episode = budget
-                names, n = jax.vmap(lambda st, used, env=env, A=A, T=turns, K=per_episode:
-                                    solvers.lake_budget_moves(env, st, T - k, K - used, A, T, K))(
-                    s, ran[start:start + size])
+                names, n = jax.vmap(lambda st, used, p, env=env, A=A, T=turns, K=per_episode:
+                                    solvers.lake_budget_moves(env, st, T - k, K - used, A, T, K,
+                                                              plan=p),
+                                    in_axes=(0, 0, None if plan is None else 0))(
+                    s, ran[start:start + size], plan)
             start += size
             V = len(solvers.move_names(env))
             rows.append(base + jax.vmap(lambda a, m, V=V: sequence_row(a, m, V))(names, n))
@@ -162,11 +169,15 @@ def make_demo_rollout(env, tokenizer, spec: rollout_lib.RolloutSpec, actions_per
     if getattr(env, "is_slippery", False):  # the lake: plans under the turns and moves left
         budget = (spec.max_turn, env_text.make_text(env, spec.max_actions_per_turn,
                                                     spec.max_actions_per_traj).max_actions_per_traj)
-    play = rollout_lib.make_policy_rollout((env,), tokenizer, spec,
-                                           solver_policy((env,), (table,), (moves,), (budget,)))
 
     @jax.jit
     def run(env_state, key):
+        plan = None
+        if budget is not None:  # the grid is the episode's: its plan is made once, not a turn
+            plan = jax.vmap(lambda g: solvers.lake_budget_plan(env, g, moves, *budget))(
+                env_state.grid)
+        policy = solver_policy((env,), (table,), (moves,), (budget,), (plan,))
+        play = rollout_lib.make_policy_rollout((env,), tokenizer, spec, policy)
         traj, metrics, _ = play((env_state,), key)
         weight = (jax.vmap(lambda s: solvers.solver_success(env, s))(env_state) > 0)
         return traj, metrics, weight.astype(jnp.float32)
