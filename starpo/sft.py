@@ -157,7 +157,13 @@ class Phase:
         first = step - step % K
         if self.played is None or self.played[0] != first:
             self.played = (first, self.demos(jnp.arange(first, first + K, dtype=jnp.int32)))
-        return jax.tree_util.tree_map(lambda x: x[step - first], self.played[1])
+        return _pick(self.played[1], jnp.int32(step - first))
+
+
+@jax.jit
+def _pick(tree, i):
+    """Row i of every leaf of `tree`, in one call (not one dispatch a leaf)."""
+    return jax.tree_util.tree_map(lambda x: x[i], tree)
 
 
 def build(spec: run_config.RunSpec, exp) -> Phase:
