@@ -383,7 +383,7 @@ def check_render(text: EnvText, env, state) -> None:
     """Host check: the pieces of `state` spell `env.to_text(state)`. Raises ValueError."""
     import numpy as np
 
-    ids = np.asarray(text.render(state))
+    ids = np.asarray(jax.jit(text.render)(state))  # one program, not one an op
     got = "".join(text.pieces[i] for i in ids if i >= 0)
     want = env.to_text(state)
     if got != want:

@@ -294,7 +294,7 @@ def _parse():
 
 def _case_state(env, case):
     puzzle = jnp.asarray(case["puzzle"], jnp.int32)
-    return env.reset(jax.random.key(0)).replace(
+    return _compiled(env)[3](jax.random.key(0)).replace(
         puzzle=puzzle, grid=puzzle, solution=jnp.asarray(case["solution"], jnp.int32))
 
 
@@ -308,9 +308,10 @@ def _case_env(case):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(env):
-    """(text, jitted render, jitted step) of an env, shared by the cases that use it."""
+    """(text, jitted render, jitted step, jitted reset) of an env, shared by the cases that
+    use it (run op by op, a reset compiles a hundred programs)."""
     etext = env_text.make_text(env)
-    return etext, jax.jit(etext.render), jax.jit(env.step)
+    return etext, jax.jit(etext.render), jax.jit(env.step), jax.jit(env.reset)
 
 
 def test_the_fixture_covers_every_feedback_and_format():
@@ -333,7 +334,7 @@ def test_text_and_rewards_are_the_reference(index):
     done and the info flags after every step."""
     case = GOLDEN["cases"][index]
     env = _case_env(case)
-    etext, render, step = _compiled(env)
+    etext, render, step, _ = _compiled(env)
     state = _case_state(env, case)
     assert env.to_text(state) == case["text"]
     env_text.check_render(etext, env, state)
@@ -382,7 +383,7 @@ def test_malformed_and_out_of_range_answers_pay_the_penalty_and_change_nothing()
     case = GOLDEN["cases"][0]
     env = _case_env(case)
     state = _case_state(env, case)
-    step = jax.jit(env.step)
+    etext, _, step, _ = _compiled(env)
     for answer in ("", "hello", "1,2", "place 5 at row 10 col 1", "0,1,1", "1,1,10",
                    "99999999999,1,1", "place 5 at row 2, col 3"):
         new, reward, done, info = step(jax.random.key(0), state, sudoku.answer_bytes(answer, WIDTH))
@@ -397,7 +398,7 @@ def test_malformed_and_out_of_range_answers_pay_the_penalty_and_change_nothing()
     assert f"Could not parse action: 'hello {'x' * (sudoku.ECHO - 6)}'." in env.to_text(new)
     new, *_ = step(jax.random.key(0), state, sudoku.answer_bytes("é?", WIDTH))
     assert "Could not parse action: '???'." in env.to_text(new)
-    env_text.check_render(env_text.make_text(env), env, new)
+    env_text.check_render(etext, env, new)
     # saturated out-of-range numbers
     new, *_ = step(jax.random.key(0), state, sudoku.answer_bytes("12345678901,1,1", WIDTH))
     assert "Row 999999999 is out of range (1-9)" in env.to_text(new)
