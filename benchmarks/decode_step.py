@@ -115,6 +115,25 @@ def loops(hlo: str) -> list[dict]:
     return sorted(out, key=lambda d: -d["instructions"])
 
 
+# A kernel's kind from its name, first match wins: cuBLAS / cuBLASLt / CUTLASS kernels and
+# XLA's Triton GEMM fusions (`gemm_fusion_dot_*`) are matmuls, cuDNN's fused attention is
+# attention, XLA's `input_*` fusions are reductions, its `loop_*` and other fusions elementwise.
+# On a CPU (the proxy) the names are the HLO ops' (`dot.3`, `fusion.7`).
+KERNEL_KINDS = (
+    ("attention", re.compile(r"sdpa|flash|fmha|cudnn", re.I)),
+    ("collective", re.compile(r"nccl|all-?reduce|all-?gather|reduce-?scatter|collective", re.I)),
+    ("matmul", re.compile(r"gemm|xmma|cutlass|nvjet|wgmma|cublas|matmul|^dot|_dot", re.I)),
+    ("copy", re.compile(r"copy|memcpy|memset|dynamic.update.slice|transpose", re.I)),
+    ("reduction", re.compile(r"^input_|reduce|softmax|argmax|sort|topk|cumsum", re.I)),
+    ("elementwise", re.compile(r"fusion|^loop_|^wrapped_", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """`KERNEL_KINDS`' kind of a kernel name, else "other"."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
 def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
     """Device time by kernel from a perfetto trace (jax.profiler's `perfetto_trace.json.gz`) of
     one sampler turn of `steps` decode steps, timed at `wall_s` seconds.
@@ -125,7 +144,8 @@ def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
     events stand in, a proxy that counts nested regions twice. A kernel run at least `steps` times is counted as the
     decode loop's (`per_step_s`: their time over `steps`); `busy_fraction` is all device time
     over the wall time: near 1 the kernels themselves are the cost, far below 1 the device
-    waits for the host (launches, round trips)."""
+    waits for the host (launches, round trips). `by_kind`: the device seconds by
+    `kernel_kind`, largest first."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     procs, threads = {}, {}
     for e in events:
@@ -153,11 +173,15 @@ def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
             count[e["name"]] += 1
     busy = sum(total.values())
     loop = {k for k, n in count.items() if n >= steps}
+    kinds = collections.Counter()
+    for k, v in total.items():
+        kinds[kernel_kind(k)] += v
     return dict(source="device" if device else "cpu threads (proxy)", wall_s=round(wall_s, 6),
                 busy_s=round(busy, 6), busy_fraction=round(busy / wall_s, 3) if wall_s else None,
                 kernels=len(total), loop_kernels=len(loop),
                 per_step_s=round(sum(total[k] for k in loop) / steps, 6),
                 per_step_launches=round(sum(count[k] for k in loop) / steps, 1),
+                by_kind={k: round(v, 6) for k, v in kinds.most_common()},
                 top=[dict(name=k[:120], total_s=round(v, 5), count=count[k],
                           mean_us=round(v / count[k] * 1e6, 2))
                      for k, v in total.most_common(top)])

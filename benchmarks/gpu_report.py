@@ -58,7 +58,8 @@ def steps(a) -> dict:
                                    f"-n={a.workers}", "-o", "addopts=-m 'not multiprocess'",
                                    *a.tests.split(",")]),
         "update": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
-                                   f"--torch_variants={a.torch_variants}"]),
+                                   f"--torch_variants={a.torch_variants}",
+                                   f"--profile={os.path.join(a.out, 'update_profile')}"]),
         "sampler": (a.step_s, py + ["-m", "benchmarks.sampler", f"--model={model}", *sample,
                                     "--dtype=bfloat16", "--cache_dtype=bfloat16"]),
         "iteration": (a.step_s, iteration),
@@ -166,6 +167,10 @@ def headline(report: dict) -> dict:
         # against the faster PyTorch variant (float32, bfloat16 autocast) in the same run
         "update_vs_torch": upd.get("speedup_vs_torch"),
         "update_memory_vs_torch": upd.get("memory_vs_torch"),
+        # one more traced step: the device busy over its wall time, and the matmuls' share
+        "update_busy_fraction": get("update", "profile", "busy_fraction"),
+        "update_matmul_share": upd.get("matmul_share"),
+        "update_device_s_by_kind": get("update", "profile", "by_kind"),
         "sampler_tokens_per_s": get("sampler", "tokens_per_s"),
         "sampler_vs_transformers": get("sampler", "speedup_vs_torch"),
         "sampler_fraction_of_bound": get("sampler", "fraction_of_bandwidth_bound"),

@@ -3,6 +3,7 @@ PyTorch training step of the same checkpoint.
 
   python -m benchmarks.update --model=smollm2-135m-instruct --batch=8 --seq_len=512
   python -m benchmarks.update --logit_chunk=128 --compare_logit_chunk=0 --torch=no
+  python -m benchmarks.update --profile=/tmp/update_profile --torch=no   # where a step's time goes
 
 With `--lora_rank=R` a second JAX worker trains LoRA adapters of rank R (`starpo/lora.py`: the
 base frozen in the matmul dtype, float32 adapters and their AdamW moments) on the same batch, in
@@ -107,10 +108,40 @@ def worker_jax(a) -> dict:
     from benchmarks.sampler import jax_peak_memory
 
     compared = {} if len(chunks) == 1 else dict(compare_step_s=min(times[1][1:]))
+    if a.profile:
+        compared["profile"] = profile_step(runs[0], batch, a.profile)
     return dict(step_s=min(times[0][1:]), compile_s=compile_s[0], **compared,
                 **jax_peak_memory(), cfg=dict(
         num_params=cfg.num_params, layers=cfg.num_layers, heads=cfg.num_heads,
         head_dim=cfg.head_dim, trained_params=lora.num_adapter_params(cfg) or cfg.num_params))
+
+
+def profile_step(run, batch, folder: str) -> dict:
+    """`decode_step.kernel_profile` of one more step of `run` ([compiled, params, opt_state],
+    updated in place: the step donates them), traced by jax.profiler into `folder`: where the
+    step's device time goes by kernel and by kind (matmuls, attention, elementwise, ...), and
+    its busy fraction (near 1: the kernels are the cost, not the host)."""
+    import glob
+    import gzip
+
+    import jax
+
+    from benchmarks import decode_step
+
+    try:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            t = time.perf_counter()
+            run[1], run[2], loss = run[0](run[1], run[2], batch)
+            loss.block_until_ready()
+            wall = time.perf_counter() - t
+        traces = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"),
+                                  recursive=True), key=os.path.getmtime)
+        if not traces:
+            raise FileNotFoundError(f"jax.profiler wrote no perfetto trace under {folder}")
+        with gzip.open(traces[-1], "rt") as f:
+            return decode_step.kernel_profile(json.load(f), 1, wall)
+    except Exception as e:  # the timings stand without it
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
 
 def worker_torch(a, autocast: bool) -> dict:
@@ -210,6 +241,9 @@ def main():
     p.add_argument("--lora_alpha", type=float, default=64.0)
     p.add_argument("--lora_targets", default="all-linear",
                    help="model.lora.target_modules of the LoRA run")
+    p.add_argument("--profile", default="",
+                   help="also trace one more JAX step with jax.profiler into this folder and "
+                        "report its device time by kernel and kind (`profile`)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--torch_device", default="cpu", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -233,7 +267,8 @@ def main():
     setup = run_worker("setup", argv + [f"--dtype={a.dtype}"])
     argv += [f"--dtype={setup['dtype']}", f"--torch_device={setup['torch_device']}"]
     tokens = a.batch * a.seq_len
-    jx = run_worker("jax", argv + ["--lora_rank=0"])
+    jx = run_worker("jax", argv + ["--lora_rank=0"]
+                    + ([f"--profile={os.path.abspath(a.profile)}"] if a.profile else []))
     c = jx.pop("cfg")
     # model FLOPs per trained token: 6 per weight (forward 2, backward 4) plus causal attention
     # scores and mixing (4 * layers * heads * head_dim * T/2 forward, x3 with the backward)
@@ -250,6 +285,11 @@ def main():
                       compare_step_s=round(jx["compare_step_s"], 2),
                       compare_tokens_per_s=round(tokens / jx["compare_step_s"], 1),
                       step_s_over_compare=round(jx["step_s"] / jx["compare_step_s"], 3))
+    if "profile" in jx:  # one more step's kernels: the matmuls' share of its device time
+        prof = result["profile"] = jx["profile"]
+        if prof.get("busy_s"):
+            result["matmul_share"] = round(prof["by_kind"].get("matmul", 0.0)
+                                           / prof["busy_s"], 3)
     if setup["peak_gflops"]:
         result["mfu"] = round(result["tokens_per_s"] * flops_per_token / 1e9
                               / setup["peak_gflops"], 3)

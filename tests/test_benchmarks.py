@@ -8,15 +8,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_update_benchmark_reports_params_device_dtype_and_memory():
+def test_update_benchmark_reports_params_device_dtype_and_memory(tmp_path):
     """A cheap variant of docs/benchmarks.md's 0.5B-shape command (a `random:` model of 2 layers):
     the JSON line has the model's exact parameter count, the device, the dtype, peak memory
-    labelled by where it was measured, and MFU against a stated peak."""
+    labelled by where it was measured, and MFU against a stated peak; with --profile, one more
+    step traced: its kernels' time by kind, adding up to the busy time, and the matmuls' share."""
     spec = ("random:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,mlp=96,vocab=1000,"
             "qkv_bias=1,tie=0")
     p = subprocess.run([sys.executable, "-m", "benchmarks.update",
                         f"--model={spec}", "--batch=1", "--seq_len=32", "--steps=1",
-                        "--torch=no"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                        "--torch=no", f"--profile={tmp_path / 'prof'}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     d, f, v = 64, 96, 1000
@@ -25,6 +27,15 @@ def test_update_benchmark_reports_params_device_dtype_and_memory():
     assert out["device"] and out["dtype"] in ("float32", "bfloat16")
     assert out["memory"] in ("device", "host_rss") and out["peak_memory_gb"] > 0
     assert out["mfu"] > 0 and out["peak_source"]
+    prof = out["profile"]
+    assert "error" not in prof and prof["wall_s"] > 0, prof
+    import jax
+
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 10):
+        # (jax 0.7.1's XLA:CPU traces no per-op events: there the ranking is empty)
+        assert prof["top"] and sum(prof["by_kind"].values()) > 0
+        assert abs(sum(prof["by_kind"].values()) - prof["busy_s"]) < 1e-5
+        assert 0 <= out["matmul_share"] <= 1
 
 
 def test_train_step_benchmark_runs_its_phases_ahead_of_time():
@@ -224,3 +235,24 @@ def test_kernel_profile_ranks_device_kernels_from_a_trace():
                                              "input_reduce_fusion_1"]
     assert p["top"][1] == {"name": "gemm_fusion_dot_3", "total_s": 4e-05, "count": 4,
                            "mean_us": 10.0}
+    assert p["by_kind"] == {"elementwise": 1e-04, "matmul": 4e-05, "reduction": 2e-05}
+
+
+def test_kernel_kinds_of_xla_gpu_and_library_kernel_names():
+    """decode_step.kernel_kind on kernel names as XLA:GPU, cuBLAS(Lt), cuDNN and NCCL write
+    them (cuDNN's attention runs WGMMA instructions too: attention, not matmul)."""
+    from benchmarks.decode_step import kernel_kind
+
+    kinds = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "matmul",
+        "nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NNT": "matmul",
+        "gemm_fusion_dot_12": "matmul",
+        "cutlass3x_sm90_tensorop_gemm_bf16_bf16_f32": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "collective",
+        "dynamic_update_slice_fusion_3": "copy", "Memcpy DtoD (Device -> Device)": "copy",
+        "wrapped_transpose": "copy", "input_reduce_fusion_7": "reduction",
+        "triton_softmax_fusion_2": "reduction", "loop_add_fusion_4": "elementwise",
+        "wrapped_convert": "elementwise", "rng_bit_generator": "other",
+    }
+    assert {name: kernel_kind(name) for name in kinds} == kinds
