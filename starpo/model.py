@@ -950,16 +950,36 @@ def _init_boxed(cfg: ModelConfig, key: jax.Array):
     return Transformer(cfg).init(key, tokens, tokens > -1, method=Transformer.init_all)["params"]
 
 
+def _per_config(build):
+    """`build(cfg)`, made once per config and context mesh (tracing the whole model's init
+    costs ~0.1 s, and a run, its tests and its sharding ask for the same config's shapes many
+    times); each call gets fresh containers over the shared immutable leaves."""
+    made = functools.lru_cache(maxsize=64)(lambda cfg, mesh: build(cfg))
+
+    @functools.wraps(build)
+    def get(cfg: ModelConfig):
+        return jax.tree_util.tree_map(lambda x: x, made(cfg, jax.sharding.get_abstract_mesh()))
+
+    return get
+
+
+@functools.lru_cache(maxsize=64)
+def _init_fn(cfg: ModelConfig):
+    return jax.jit(lambda k: nn.meta.unbox(_init_boxed(cfg, k)))
+
+
 def init_params(cfg: ModelConfig, key: jax.Array):
     """Random parameters for `cfg`: a nested dict of arrays."""
-    return jax.jit(lambda k: nn.meta.unbox(_init_boxed(cfg, k)))(key)
+    return _init_fn(cfg)(key)
 
 
+@_per_config
 def abstract_params(cfg: ModelConfig):
     """Shapes and dtypes of the parameters (jax.ShapeDtypeStruct leaves), nothing allocated."""
     return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
 
 
+@_per_config
 def logical_axes(cfg: ModelConfig):
     """A pytree like the params whose leaves are PartitionSpecs of logical axis names."""
     return nn.get_partition_spec(jax.eval_shape(lambda k: _init_boxed(cfg, k), jax.random.key(0)))
