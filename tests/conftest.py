@@ -37,8 +37,9 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # off (its time and the figures: docs/install.md, "Tests"). Not for users' runs: fully optimised,
 # the older emitters compile slower. Only with jaxlib 0.10.x: with 0.7.1 they also change what
 # XLA reserves (the rollout's cache is no longer copied), which tests/test_memory.py measures
-# as a user's run has it, and an XLA_FLAGS entry an XLA does not know aborts the process (later
-# versions are unchecked). Never over a setting of the user's own. Inherited by the commands
+# as a user's run has it (CI's oldest-pins pass sets them itself for every other file: .ci/run),
+# and an XLA_FLAGS entry an XLA does not know aborts the process (later versions are unchecked).
+# Never over a setting of the user's own. Inherited by the commands
 # the tests start (tests/fake_devices.py keeps it too).
 FAST_CPU_COMPILE = "--xla_cpu_use_fusion_emitters=false"
 
