@@ -9,8 +9,10 @@ import sys
 
 def main(path: str, top: int = 40) -> None:
     files = collections.defaultdict(lambda: collections.Counter())
+    seen = collections.Counter()
     for line in open(path):
         row = json.loads(line)
+        seen[row["test"]] += 1
         f = files[row["test"].split("::")[0]]
         f["tests"] += 1
         for k in ("seconds", "trace", "lower", "compile", "programs", "cache_hits"):
@@ -26,6 +28,10 @@ def main(path: str, top: int = 40) -> None:
     print(f"{'all':42s} {total['tests']:5d} {total['seconds']:8.1f} {total['trace']:7.1f} "
           f"{total['lower']:7.1f} {total['compile']:8.1f} {total['programs']:8d} "
           f"{total['cache_hits']:9d}")
+    runs = max(seen.values(), default=0)
+    if runs > 1:  # the profile appends: a file kept from an earlier run is summed in
+        print(f"note: {path} holds up to {runs} rows a test (the profile appends: it spans "
+              f"several runs, summed above); remove it before a run to see one")
 
 
 if __name__ == "__main__":
