@@ -187,16 +187,12 @@ def kernel_profile(trace, steps: int, wall_s: float, top: int = 25) -> dict:
                      for k, v in total.most_common(top)])
 
 
-def profile_turn(compiled, params, args, folder: str, steps: int, fresh_state) -> dict:
-    """`kernel_profile` of one run of the compiled turn, traced by jax.profiler into `folder`
-    after a warm-up run; the wall time is the traced run's alone (not the profiler's start)."""
-    def turn():  # a fresh cache each time: the turn donates it
-        jax.block_until_ready(compiled(params, fresh_state(), *args))
-
-    turn()
+def traced_profile(run, folder: str, steps: int) -> dict:
+    """`kernel_profile` of one call of `run()` (which waits for its results), traced by
+    jax.profiler into `folder`; the wall time is the call's alone (not the profiler's start)."""
     with jax.profiler.trace(folder, create_perfetto_trace=True):
         t = time.perf_counter()
-        turn()
+        run()
         wall = time.perf_counter() - t
     traces = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"),
                               recursive=True), key=os.path.getmtime)
@@ -204,6 +200,15 @@ def profile_turn(compiled, params, args, folder: str, steps: int, fresh_state) -
         raise FileNotFoundError(f"jax.profiler wrote no perfetto trace under {folder}")
     with gzip.open(traces[-1], "rt") as f:
         return kernel_profile(json.load(f), steps, wall)
+
+
+def profile_turn(compiled, params, args, folder: str, steps: int, fresh_state) -> dict:
+    """`traced_profile` of one run of the compiled turn, after a warm-up run."""
+    def turn():  # a fresh cache each time: the turn donates it
+        jax.block_until_ready(compiled(params, fresh_state(), *args))
+
+    turn()
+    return traced_profile(turn, folder, steps)
 
 
 def main():

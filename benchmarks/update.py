@@ -117,29 +117,18 @@ def worker_jax(a) -> dict:
 
 
 def profile_step(run, batch, folder: str) -> dict:
-    """`decode_step.kernel_profile` of one more step of `run` ([compiled, params, opt_state],
-    updated in place: the step donates them), traced by jax.profiler into `folder`: where the
-    step's device time goes by kernel and by kind (matmuls, attention, elementwise, ...), and
-    its busy fraction (near 1: the kernels are the cost, not the host)."""
-    import glob
-    import gzip
-
-    import jax
-
+    """`decode_step.traced_profile` of one more step of `run` ([compiled, params, opt_state],
+    updated in place: the step donates them): where the step's device time goes by kernel and
+    by kind (matmuls, attention, elementwise, ...), and its busy fraction (near 1: the kernels
+    are the cost, not the host)."""
     from benchmarks import decode_step
 
+    def step():
+        run[1], run[2], loss = run[0](run[1], run[2], batch)
+        loss.block_until_ready()
+
     try:
-        with jax.profiler.trace(folder, create_perfetto_trace=True):
-            t = time.perf_counter()
-            run[1], run[2], loss = run[0](run[1], run[2], batch)
-            loss.block_until_ready()
-            wall = time.perf_counter() - t
-        traces = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"),
-                                  recursive=True), key=os.path.getmtime)
-        if not traces:
-            raise FileNotFoundError(f"jax.profiler wrote no perfetto trace under {folder}")
-        with gzip.open(traces[-1], "rt") as f:
-            return decode_step.kernel_profile(json.load(f), 1, wall)
+        return decode_step.traced_profile(step, folder, 1)
     except Exception as e:  # the timings stand without it
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
