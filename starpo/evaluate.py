@@ -66,6 +66,36 @@ def summarize(traj, metrics, group_size: int) -> dict[str, float]:
     return {k: float(v) for k, v in out.items()}
 
 
+def paired(success_a, success_b, group_size: int) -> dict[str, float]:
+    """Two policies' successes on the same episodes (the same levels and sampling keys, rows in
+    the set's order), compared level by level: each level's mean success under a minus under b;
+    `success_diff` the mean of those differences (= a's success - b's), `success_diff_stderr`
+    its standard error over the levels (their std / sqrt(levels)), `levels_better` /
+    `levels_worse` the levels where a's mean success is above / below b's."""
+    a = np.asarray(jax.device_get(success_a), np.float64).reshape(-1, group_size).mean(1)
+    b = np.asarray(jax.device_get(success_b), np.float64).reshape(-1, group_size).mean(1)
+    d = a - b
+    return {"success_diff": float(d.mean()),
+            "success_diff_stderr": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0,
+            "levels_better": int((d > 0).sum()), "levels_worse": int((d < 0).sum())}
+
+
+def check_comparable(a, b) -> None:
+    """Raise ValueError unless the loaded models `a` and `b` (weights.LoadedModel) are the same
+    model with other weights: the same architecture (the training-only settings remat and the
+    attention kernels aside: they give the same numbers) and the same tokenizer, so that b plays
+    on the programs built for a."""
+    same = dict(remat=a.cfg.remat, remat_policy=a.cfg.remat_policy, attention=a.cfg.attention)
+    cb = b.cfg.replace(**same)
+    if cb != a.cfg:
+        diff = [f"{f.name} {getattr(a.cfg, f.name)!r} vs {getattr(cb, f.name)!r}"
+                for f in dataclasses.fields(a.cfg) if getattr(a.cfg, f.name) != getattr(cb, f.name)]
+        raise ValueError(f"{b.source} is another model than {a.source}: {', '.join(diff)}")
+    ta, tb = a.tokenizer, b.tokenizer
+    if (ta.hf.get_vocab(), ta.eos_ids, ta.pad_id) != (tb.hf.get_vocab(), tb.eos_ids, tb.pad_id):
+        raise ValueError(f"{b.source} has another tokenizer than {a.source}")
+
+
 def summarize_mix(traj, metrics, mix, group_size: int) -> dict[str, float]:
     """`summarize` per env variant of a batch whose rows are laid out env by env:
     mix = ((tag, groups), ...) -> scalars named `<tag>/<name>`."""

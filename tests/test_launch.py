@@ -158,7 +158,8 @@ def test_eval_of_a_run_replays_its_validation_programs(tmp_path):
     programs that the run's validation compiled (`experiment.eval_sets`: the run's mesh,
     shardings and compiler options), so JAX's persistent cache serves them and eval compiles
     no rollout of its own (on a GPU a SmolLM2 rollout takes minutes to compile). Bandit's set
-    plays on the training batch's program, BanditTest's on one of its own."""
+    plays on the training batch's program, BanditTest's on one of its own. A second checkpoint
+    (--against) plays on the same programs and gets what it gets evaluated alone."""
     cache = tmp_path / "cache"
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -167,19 +168,34 @@ def test_eval_of_a_run_replays_its_validation_programs(tmp_path):
         return {f for f in os.listdir(cache) if f.startswith(("jit_play_from", "jit_initial"))}
 
     run = ["launch/train.py", "--config=configs/bandit.py:tiny", f"--workdir={tmp_path}/run",
-           "--config.trainer.total_steps=1", "--config.val.tags=Bandit,BanditTest",
-           "--progress=false"]
+           "--config.trainer.total_steps=2", "--config.trainer.save_freq=1",
+           "--config.val.tags=Bandit,BanditTest", "--progress=false"]
     p = subprocess.run([sys.executable, *run], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env=env)
     assert p.returncode == 0, p.stderr
+
+    def evaluate(*args):
+        p = subprocess.run([sys.executable, "launch/eval.py", f"--checkpoint={tmp_path}/run",
+                            *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env=env)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1]), p.stdout
+
     trained = rollouts()
     assert sum(f.startswith("jit_play_from") for f in trained) == 2, trained
-    p = subprocess.run([sys.executable, "launch/eval.py", f"--checkpoint={tmp_path}/run"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, p.stderr
-    assert set(json.loads(p.stdout.strip().splitlines()[-1])["results"]) == {"Bandit",
-                                                                             "BanditTest"}
+    # step 2 against step 1 (--against): both on the same programs, levels and keys
+    both, text = evaluate(f"--against={tmp_path}/run", "--against_step=1")
+    assert set(both["results"]) == set(both["paired"]) == {"Bandit", "BanditTest"}
     assert rollouts() == trained
+    # each side is what evaluating that checkpoint alone gives
+    alone, _ = evaluate("--step=1")
+    assert (both["step"], both["against"]["step"], alone["step"]) == (2, 1, 1)
+    assert both["against"]["results"] == alone["results"]
+    assert both["results"] != both["against"]["results"]
+    for tag, d in both["paired"].items():
+        diff = both["results"][tag]["success"] - alone["results"][tag]["success"]
+        assert abs(d["success_diff"] - diff) < 1e-12, (tag, d, diff)
+        assert f"{tag}: success {d['success_diff']:+.3f}" in text
 
 
 def test_a_run_saved_before_a_key_was_added_still_resumes():

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import struct
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +235,45 @@ def test_episode_summaries_count_groups_all_passed_and_any_passed():
     one = evaluate.summarize(traj, per_row, 1)
     assert "pass^1" not in one
     assert one["success_stderr"] == pytest.approx(math.sqrt(5 / 12 * 7 / 12 * 12 / 11 / 12))
+
+
+def test_a_paired_comparison_differs_level_by_level():
+    """Two policies on the same three levels of four episodes, by hand: a succeeds 4, 1, 0
+    times, b 2, 1, 1: the levels' differences +1/2, 0, -1/4, mean 1/12 (= 5/12 - 4/12), their
+    unbiased std sqrt(((5/12)^2 + (1/12)^2 + (4/12)^2) / 2) over sqrt(3); one level each way.
+    A policy against itself differs by exactly 0."""
+    from starpo import evaluate
+
+    a = np.array([1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0], bool)
+    b = np.array([1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0], bool)
+    d = evaluate.paired(a, b, 4)
+    assert d["success_diff"] == pytest.approx(1 / 12)
+    assert d["success_diff_stderr"] == pytest.approx(
+        math.sqrt((25 + 1 + 16) / 144 / 2) / math.sqrt(3))
+    assert (d["levels_better"], d["levels_worse"]) == (1, 1)
+    assert evaluate.paired(a, a, 4) == {"success_diff": 0.0, "success_diff_stderr": 0.0,
+                                        "levels_better": 0, "levels_worse": 0}
+
+
+def test_only_the_same_model_with_other_weights_compares():
+    """`evaluate.check_comparable`: remat and the attention kernels may differ (they give the
+    same numbers); another architecture or tokenizer is a one-line error naming it."""
+    import dataclasses
+
+    from starpo import evaluate, model
+    from starpo.weights import LoadedModel
+
+    cfg = model.ModelConfig(vocab_size=8, hidden_size=4, num_layers=1, num_heads=2,
+                            num_kv_heads=1, head_dim=2, intermediate_size=8)
+    tok = types.SimpleNamespace(hf=types.SimpleNamespace(get_vocab=lambda: {"a": 0}),
+                                eos_ids=(0,), pad_id=0)
+    a = LoadedModel(cfg, {}, tok, "runs/a@2")
+    evaluate.check_comparable(a, dataclasses.replace(a, cfg=cfg.replace(
+        remat=True, remat_policy="save_dense", attention="xla")))
+    with pytest.raises(ValueError) as e:
+        evaluate.check_comparable(a, LoadedModel(cfg.replace(rope_theta=100.0), {}, tok, "b"))
+    assert str(e.value) == "b is another model than runs/a@2: rope_theta 10000.0 vs 100.0"
+    other_tok = types.SimpleNamespace(hf=types.SimpleNamespace(get_vocab=lambda: {"b": 0}),
+                                      eos_ids=(0,), pad_id=0)
+    with pytest.raises(ValueError, match="^b has another tokenizer than runs/a@2$"):
+        evaluate.check_comparable(a, LoadedModel(cfg, {}, other_tok, "b"))
