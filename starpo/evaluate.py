@@ -72,8 +72,8 @@ def paired(success_a, success_b, group_size: int) -> dict[str, float]:
     `success_diff` the mean of those differences (= a's success - b's), `success_diff_stderr`
     its standard error over the levels (their std / sqrt(levels)), `levels_better` /
     `levels_worse` the levels where a's mean success is above / below b's."""
-    a = np.asarray(jax.device_get(success_a), np.float64).reshape(-1, group_size).mean(1)
-    b = np.asarray(jax.device_get(success_b), np.float64).reshape(-1, group_size).mean(1)
+    a, b = (np.asarray(s, np.float64).reshape(-1, group_size).mean(1)
+            for s in sharding.to_host((success_a, success_b)))
     d = a - b
     return {"success_diff": float(d.mean()),
             "success_diff_stderr": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0,
