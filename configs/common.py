@@ -285,7 +285,8 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
     return c
 
 
-PRESETS = ("dapo", "lora")  # algorithm presets after the variant and a "+" (`tiny+dapo`), or alone
+# algorithm presets after the variant and a "+" (`tiny+dapo`), or alone
+PRESETS = ("dapo", "lora", "reinforce")
 
 
 def _split(arg: str | None) -> tuple[str, list[str]]:
@@ -311,7 +312,7 @@ def variant(arg: str | None, known: tuple[str, ...]) -> str:
 def apply_presets(c: ml_collections.ConfigDict, arg: str | None) -> None:
     """The presets of the variant argument, in order (after the variant's own settings)."""
     for preset in _split(arg)[1]:
-        {"dapo": dapo, "lora": lora}[preset](c)
+        {"dapo": dapo, "lora": lora, "reinforce": reinforce}[preset](c)
 
 
 def dapo(c: ml_collections.ConfigDict) -> None:
@@ -330,6 +331,19 @@ def dapo(c: ml_collections.ConfigDict) -> None:
         "overlong_penalty_factor": 1.0, "filter_groups_enable": True,
         "filter_groups_max_num_gen_batches": 10, "filter_groups_metric": "success",
         "clip_ratio_c": 10.0})
+
+
+def reinforce(c: ml_collections.ConfigDict) -> None:
+    """One episode on each level, as many levels as the variant's batch has episodes, each
+    reward against the batch's mean and std (GRPO on groups of one: REINFORCE with a batch
+    baseline, no critic), every row trained (no filter: a group of one has no spread to rank).
+    The tiny configs' own RL; from a strong SFT warm start on the tiny lake it lifted success
+    where StarPO-S's 8 levels x 16 episodes held it (five seeds: docs/results.md, "Supervised
+    warm start"). Learning rates, mini-batches and the validation are the variant's."""
+    c.rollout.update(dict(env_groups=c.rollout.env_groups * c.rollout.group_size,
+                          group_size=1))
+    c.algorithm.update(dict(adv_estimator="grpo", reward_norm_grouping="batch",
+                            reward_norm_method="mean_std", rollout_filter_ratio=1.0))
 
 
 def lora(c: ml_collections.ConfigDict) -> None:

@@ -103,6 +103,33 @@ def test_the_dapo_preset_sets_dapos_settings_on_any_variant():
     assert common.variant("cpu+dapo", ("cpu",)) == "cpu"
 
 
+def test_the_reinforce_preset_plays_one_episode_a_level_against_the_batch():
+    """`+reinforce`: as many episodes as the variant's batch, each on a level of its own, GRPO
+    on groups of one after the batch's mean / std (REINFORCE with a batch baseline), no filter;
+    nothing else changes. Its advantages: tests/test_advantages.py (the `batch` grouping)."""
+    from configs import bandit, frozenlake
+    from starpo import config_check
+    for module, arg in [(frozenlake, "gpu+reinforce"), (bandit, "tiny+reinforce"),
+                        (frozenlake, "reinforce"), (frozenlake, "gpu+lora+reinforce")]:
+        c = module.get_config(arg)
+        plain = module.get_config(arg.replace("+reinforce", "").replace("reinforce", "") or None)
+        config_check.check(c)
+        r, p = c.rollout, plain.rollout
+        assert r.group_size == 1 and r.env_groups == p.env_groups * p.group_size > p.env_groups
+        a = c.algorithm
+        assert (a.adv_estimator, a.reward_norm_grouping, a.reward_norm_method,
+                a.rollout_filter_ratio) == ("grpo", "batch", "mean_std", 1.0)
+        changed = {"rollout": ("env_groups", "group_size"),
+                   "algorithm": ("adv_estimator", "reward_norm_grouping", "reward_norm_method",
+                                 "rollout_filter_ratio")}
+        for section, d in c.to_dict().items():
+            keep = changed.get(section, ())
+            want = plain.to_dict()[section]
+            if isinstance(d, dict):
+                d, want = ({k: v for k, v in x.items() if k not in keep} for x in (d, want))
+            assert d == want, section
+
+
 def ref_mi(cross, own):
     """RAGEN-2's definition, one reasoning at a time (float64)."""
     n, N = cross.shape
