@@ -339,7 +339,9 @@ def reinforce(c: ml_collections.ConfigDict) -> None:
     baseline, no critic), every row trained (no filter: a group of one has no spread to rank).
     The tiny configs' own RL; from a strong SFT warm start on the tiny lake it lifted success
     where StarPO-S's 8 levels x 16 episodes held it (five seeds: docs/results.md, "Supervised
-    warm start"). Learning rates, mini-batches and the validation are the variant's."""
+    warm start"); on the slippery lake, where slips decide much of an outcome and only a
+    level's own group takes them out, it undid SmolLM2's warm start (one seed, CPU). Learning
+    rates, mini-batches and the validation are the variant's."""
     c.rollout.update(dict(env_groups=c.rollout.env_groups * c.rollout.group_size,
                           group_size=1))
     c.algorithm.update(dict(adv_estimator="grpo", reward_norm_grouping="batch",
