@@ -337,7 +337,7 @@ def reinforce(c: ml_collections.ConfigDict) -> None:
     """One episode on each level, as many levels as the variant's batch has episodes, each
     reward against the batch's mean and std (GRPO on groups of one: REINFORCE with a batch
     baseline, no critic), every row trained (no filter: a group of one has no spread to rank).
-    The tiny configs' own RL; from a strong SFT warm start on the tiny lake it lifted success
+    The tiny FrozenLake config's own RL; from a strong SFT warm start there it lifted success
     where StarPO-S's 8 levels x 16 episodes held it (five seeds: docs/results.md, "Supervised
     warm start"); on the slippery lake, where slips decide much of an outcome and only a
     level's own group takes them out, it undid SmolLM2's warm start (one seed, CPU). Learning
