@@ -338,10 +338,10 @@ def reinforce(c: ml_collections.ConfigDict) -> None:
     reward against the batch's mean and std (GRPO on groups of one: REINFORCE with a batch
     baseline, no critic), every row trained (no filter: a group of one has no spread to rank).
     The tiny FrozenLake config's own RL; from a strong SFT warm start there it lifted success
-    where StarPO-S's 8 levels x 16 episodes held it (five seeds: docs/results.md, "Supervised
-    warm start"); on the slippery lake, where slips decide much of an outcome and only a
-    level's own group takes them out, it undid SmolLM2's warm start (one seed, CPU). Learning
-    rates, mini-batches and the validation are the variant's."""
+    where StarPO-S's 8 levels x 16 episodes held it (five seeds), and on its slippery lake it
+    lifted one as much as each level's own group did (three seeds: docs/results.md,
+    "Supervised warm start"); one 10-step CPU run from SmolLM2's slippery-lake SFT fell.
+    Learning rates, mini-batches and the validation are the variant's."""
     c.rollout.update(dict(env_groups=c.rollout.env_groups * c.rollout.group_size,
                           group_size=1))
     c.algorithm.update(dict(adv_estimator="grpo", reward_norm_grouping="batch",
