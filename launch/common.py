@@ -86,6 +86,14 @@ def parse_flags(argv, flag_values, config_flag=None, check_config=False):
     return rest
 
 
+def default_workdir(spec: str, suffix: str = "") -> str:
+    """runs/<config>[_<variant>]<suffix> for a `FILE[:variant]` spec (launch/train.py's and,
+    with suffix `_sft`, launch/sft.py's default --workdir)."""
+    path, _, variant = spec.partition(":")
+    name = os.path.splitext(os.path.basename(path))[0] + (f"_{variant}" if variant else "")
+    return os.path.join("runs", name + suffix)
+
+
 def packaged_config(spec: str) -> str:
     """`FILE[:variant]`, unchanged if FILE exists (or is absolute or in another folder), else
     with FILE replaced by the `configs` package's file of that name when there is one:

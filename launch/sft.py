@@ -12,8 +12,6 @@ TensorBoard. Ctrl-C or SIGTERM saves and exits; the same command resumes. Multi-
 as launch/train.py.
 """
 
-import os
-
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
     import _checkout  # noqa: F401
 
@@ -37,9 +35,7 @@ def main(argv):
     from starpo import sft
 
     spec = config_flags.get_config_filename(FLAGS["config"])
-    path, _, variant = spec.partition(":")
-    name = os.path.splitext(os.path.basename(path))[0] + (f"_{variant}" if variant else "")
-    workdir = FLAGS.workdir or os.path.join("runs", name + "_sft")
+    workdir = FLAGS.workdir or common.default_workdir(spec, "_sft")
     common.note_accelerator(spec)
     common.run_job(CONFIG.value, workdir,
                    lambda: sft.train_only(CONFIG.value, workdir, progress=FLAGS.progress))

@@ -19,8 +19,6 @@ every host's devices. Process 0 alone prints and writes logs and metrics; every 
 its shards of each checkpoint.
 """
 
-import os
-
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
     import _checkout  # noqa: F401
 
@@ -36,12 +34,6 @@ flags.DEFINE_bool("progress", True, "Show a progress bar on a terminal (stderr);
 FLAGS = flags.FLAGS
 
 
-def default_workdir(spec: str) -> str:
-    path, _, variant = spec.partition(":")
-    name = os.path.splitext(os.path.basename(path))[0] + (f"_{variant}" if variant else "")
-    return os.path.join("runs", name)
-
-
 def main(argv):
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments: {argv[1:]}")
@@ -50,7 +42,7 @@ def main(argv):
     from starpo import training
 
     spec = config_flags.get_config_filename(FLAGS["config"])
-    workdir = FLAGS.workdir or default_workdir(spec)
+    workdir = FLAGS.workdir or common.default_workdir(spec)
     common.note_accelerator(spec)
     common.run_job(CONFIG.value, workdir,
                    lambda: training.train(CONFIG.value, workdir, progress=FLAGS.progress))
