@@ -8,7 +8,8 @@
 --table: main (StarPO vs StarPO-S vs SFT on Bandit / FrozenLake / Sokoban), generalisation (the
 paper's Table 4), actions_per_turn (Table 3), responses_per_prompt (Table 2), baselines (what
 a trained model is read against: the solver's and the best constant move's exact success on
-both lakes, the untrained model, SFT alone, SFT then RL), or all. Each row is
+both lakes, the untrained model, SFT alone, SFT then RL, and the last two's difference on the
+same levels and keys), or all. Each row is
 a run of `launch/train.py` (or `launch/sft.py` for SFT) with config overrides, in
 --workdir/<run>, then `launch/eval.py --out=...` on the held-out levels of every env variant the
 table reads from it (the config's validation set: 256 levels at temperature 0.5 as in the paper,
@@ -138,6 +139,7 @@ class Cell:
     paper: float | None  # the paper's success (%), None where it gives none
     approx: bool = False  # read off a figure
     exact: str = ""  # a policy of experiments/lake_baselines.py: its exact expected success
+    paired: bool = False  # run's success minus its SFT warm start's, on the same levels and keys
 
 
 # The paper's numbers (RAGEN v1: Qwen2.5-0.5B-Instruct, 8 prompts x 16 trajectories, 200 steps,
@@ -212,7 +214,13 @@ def _tables():
                      "Sokoban": Cell(Run(algo, "SimpleSokoban"), "SimpleSokoban", None),
                      "Bandit": Cell(Run(algo, "Bandit"), "Bandit", None)}
                for row, algo in (("untrained", "untrained"), ("SFT", "SFT"),
-                                 ("SFT then RL", "StarPO-S"))}}),
+                                 ("SFT then RL", "StarPO-S"))},
+            # issue 38's "SFT then RL >= SFT alone": the RL run's evaluation plays its SFT
+            # run's checkpoint too, on the same levels with the same keys (`launch/eval.py
+            # --against`), under a variant whose RL starts from the SFT row (cpu, gpu)
+            PAIRED_ROW: {c: Cell(Run("StarPO-S", e), e, None, paired=True) for c, e in (
+                ("FrozenLake", "FrozenLake"), ("FrozenLakeNonSlippery", "FrozenLakeNonSlippery"),
+                ("Sokoban", "SimpleSokoban"), ("Bandit", "Bandit"))}}),
         # Table 2: 4 responses per prompt: Sokoban 20.70, NewVocab 25.39, FrozenLake 21.48 (the
         # batch kept at 8 x 16 = 128 episodes: 32 prompts x 4).
         "responses_per_prompt": ("Table 2: StarPO-S with N responses per prompt (same "
@@ -225,6 +233,7 @@ def _tables():
     }
 
 
+PAIRED_ROW = "SFT then RL minus SFT (paired)"
 TABLES = _tables()
 
 
@@ -296,9 +305,10 @@ def train_command(run: Run, workdir: str, variant: str, model_path: str, steps: 
 
 
 def eval_command(run: Run, workdir: str, tags, groups: int, variant: str = "",
-                 model_path: str = ""):
+                 model_path: str = "", against: str = ""):
     """The `launch/eval.py` command of `run` on `tags`: its checkpoint, or for "untrained" the
-    config's initial model."""
+    config's initial model; against: a run folder played on the same levels and keys (its
+    results and the paired difference go into the same JSON)."""
     out = os.path.join(run_dir(workdir, run), "eval", "+".join(tags) + ".json")
     source = [f"--checkpoint={run_dir(workdir, run)}"]
     if run.algo == "untrained":
@@ -306,7 +316,8 @@ def eval_command(run: Run, workdir: str, tags, groups: int, variant: str = "",
             [f"--config.model.path={model_path}"] if model_path else []) + (
             [f"--config.seed={run.seed}"] if run.seed else [])
     return [sys.executable, os.path.join(HERE, "eval.py"), *source, f"--tags={','.join(tags)}",
-            f"--out={out}"] + ([f"--groups={groups}"] if groups else [])
+            f"--out={out}"] + ([f"--groups={groups}"] if groups else []) + (
+                [f"--against={against}"] if against else [])
 
 
 def run_dir(workdir: str, run: Run) -> str:
@@ -327,16 +338,21 @@ def finished(workdir: str, run: Run, steps: int) -> bool:
         reader.close()
 
 
-def results(workdir: str, run: Run) -> dict:
-    """{tag: {"success": ..., ..., "groups", "temperature"}} of every evaluation of `run`."""
+def results(workdir: str, run: Run, paired: bool = False) -> dict:
+    """{tag: {"success": ..., ..., "groups", "temperature"}} of every evaluation of `run`;
+    paired: {tag: {"success_diff", "success_diff_stderr", ..., "against", "groups",
+    "temperature"}} of those that played another checkpoint beside it (`--against`)."""
     folder, out = os.path.join(run_dir(workdir, run), "eval"), {}
     if os.path.isdir(folder):
         for name in sorted(os.listdir(folder)):
             if name.endswith(".json"):
                 with open(os.path.join(folder, name), encoding="utf-8") as f:
                     line = json.loads(f.read())
-                for tag, r in line["results"].items():
-                    out[tag] = dict(r, groups=line["groups"], temperature=line["temperature"])
+                found = line.get("paired", {}) if paired else line["results"]
+                extra = {"against": line["against"]["model"]} if paired and found else {}
+                for tag, r in found.items():
+                    out[tag] = dict(r, groups=line["groups"], temperature=line["temperature"],
+                                    **extra)
     return out
 
 
@@ -358,9 +374,16 @@ def planned_runs(tables, workdir, variant="", model_path="", steps=0, eval_group
                 if cell.run is None:  # an exact figure: computed when the table is printed
                     continue
                 for seed in seeds:
-                    tags = needs.setdefault(dataclasses.replace(cell.run, seed=seed), [])
-                    tags += [t for t in (cell.tag, *ALSO_EVALUATED.get(cell.run.env, ()))
-                             if t not in tags]
+                    runs = [dataclasses.replace(cell.run, seed=seed)]
+                    if cell.paired and not steps and base_config(cell.run.env,
+                                                                  variant).sft.steps > 0:
+                        # RL starts from the SFT run, and its evaluation plays that run too
+                        runs.append(dataclasses.replace(runs[0], algo="SFT"))
+                    for run in runs:
+                        tags = needs.setdefault(run, [])
+                        for t in (cell.tag, *ALSO_EVALUATED.get(cell.run.env, ())):
+                            if t not in tags:  # the untrained model's lake is both lakes' own
+                                tags.append(t)
     out, emitted = [], set()
     # Under a warm-starting variant (cpu, gpu: sft.steps > 0) an RL run whose SFT row is in
     # the plan starts from that row's weights instead of training the same warm start again
@@ -375,6 +398,7 @@ def planned_runs(tables, workdir, variant="", model_path="", steps=0, eval_group
         if run in emitted:
             return
         emitted.add(run)
+        sft = None
         if run.algo != "untrained":
             sft = shares(run)
             if sft is not None:
@@ -383,10 +407,12 @@ def planned_runs(tables, workdir, variant="", model_path="", steps=0, eval_group
             out.append((train_command(run, workdir, variant, model_path, steps, extra,
                                       init_from=run_dir(workdir, sft) if sft else ""), done,
                         run))
-        have = results(workdir, run)
+        # an RL run started from the SFT row is evaluated beside it (the paired row)
+        have = results(workdir, run, paired=sft is not None)
         missing = [t for t in needs[run] if t not in have]
         out.append((eval_command(run, workdir, missing or needs[run], eval_groups, variant,
-                                 model_path), not missing, run))
+                                 model_path, against=run_dir(workdir, sft) if sft else ""),
+                    not missing, run))
 
     for run in needs:
         emit(run)
@@ -400,12 +426,15 @@ def shown(command) -> str:
                        *command[2:]])
 
 
-def cell_text(ours, cell: Cell, spread=None) -> str:
-    """`ours / paper`; spread (standard error, seeds) where ours is a mean over seeds."""
+def cell_text(ours, cell: Cell, spread=None, paired_stderr=None) -> str:
+    """`ours / paper`; spread (standard error, seeds) where ours is a mean over seeds; a
+    paired cell's difference is signed, with its evaluation's standard error where one seed."""
     paper = "—" if cell.paper is None else ("~" if cell.approx else "") + f"{cell.paper:g}"
-    mine = "pending" if ours is None else f"{ours:.2f}"
+    mine = "pending" if ours is None else f"{ours:+.2f}" if cell.paired else f"{ours:.2f}"
     if ours is not None and spread and spread[1] > 1:
         mine += f" ±{spread[0]:.2f} ({spread[1]} seeds)"
+    elif ours is not None and paired_stderr is not None:
+        mine += f" ±{paired_stderr:.2f} (paired)"
     return f"{mine} / {paper}"
 
 
@@ -450,9 +479,11 @@ def table_data(table: str, workdir: str, rows=(), columns=(), variant: str = "",
             per_seed, info = {}, None
             for seed in seeds:
                 run = dataclasses.replace(cell.run, seed=seed)
-                r = cache.setdefault(run, results(workdir, run)).get(cell.tag)
+                r = cache.setdefault((run, cell.paired),
+                                     results(workdir, run, cell.paired)).get(cell.tag)
                 if r is not None:
-                    per_seed[seed], info = 100 * r["success"], r
+                    per_seed[seed] = 100 * r["success_diff" if cell.paired else "success"]
+                    info = r
             mean, _ = over_seeds(list(per_seed.values()))
             out.append((row, column, cell, mean, info, per_seed))
     return out
@@ -466,9 +497,11 @@ def format_table(table: str, workdir: str, rows=(), columns=(), variant: str = "
     data = table_data(table, workdir, rows, columns, variant, groups, seeds)
     cols = [c for c in all_columns if any(d[1] == c for d in data)]
     body = {}
-    for row, column, cell, ours, _, per_seed in data:
+    for row, column, cell, ours, info, per_seed in data:
+        stderr = 100 * info["success_diff_stderr"] if cell.paired and info else None
         body.setdefault(row, {})[column] = cell_text(ours, cell,
-                                                     over_seeds(list(per_seed.values()))[1])
+                                                     over_seeds(list(per_seed.values()))[1],
+                                                     stderr)
     head = ["", *cols]
     lines = [[r, *(body[r].get(c, "") for c in cols)] for r in body]
     widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
@@ -482,6 +515,10 @@ def format_table(table: str, workdir: str, rows=(), columns=(), variant: str = "
                       if cell.tag in PAPER_NAME})
     if renamed:
         text.append("env variants: " + ", ".join(f"{p} = our {t}" for p, t in renamed))
+    if any(cell.paired for _, _, cell, *_ in data):
+        text.append(f"{PAIRED_ROW}: points of success the RL run gained over the SFT run it "
+                    "started from, both played on the same levels with the same keys (its "
+                    "evaluation's standard error where one seed)")
     if any(cell.approx for _, _, cell, *_ in data):
         text.append("~: the paper's vanilla StarPO peaks there before it collapses (read off its "
                     "figures); ours is the last checkpoint")

@@ -94,12 +94,20 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, args, words):
     assert words in lines[0] and not os.path.exists(tmp_path / "w")
 
 
-def write_eval(workdir, run, tags, success, groups=256):
+def write_eval(workdir, run, tags, success, groups=256, against=None):
+    """An evaluation's JSON as launch/eval.py --out writes it; against: (run, its successes,
+    the paired differences' standard errors), as with --against."""
     os.makedirs(os.path.join(workdir, run, "eval"), exist_ok=True)
+    line = {"model": f"{run}@200", "step": 200, "temperature": 0.5, "groups": groups,
+            "group_size": 1, "results": {t: {"success": s} for t, s in zip(tags, success)}}
+    if against:
+        other, theirs, stderrs = against
+        line["against"] = {"model": f"{other}@100", "step": 100,
+                           "results": {t: {"success": s} for t, s in zip(tags, theirs)}}
+        line["paired"] = {t: {"success_diff": a - b, "success_diff_stderr": e}
+                          for t, a, b, e in zip(tags, success, theirs, stderrs)}
     with open(os.path.join(workdir, run, "eval", "+".join(tags) + ".json"), "w") as f:
-        json.dump({"model": f"{run}@200", "step": 200, "temperature": 0.5, "groups": groups,
-                   "group_size": 1, "results": {t: {"success": s} for t, s in zip(tags, success)}},
-                  f)
+        json.dump(line, f)
 
 
 def finish(command):
@@ -110,8 +118,11 @@ def finish(command):
     args = dict(a[2:].split("=", 1) for a in command[2:])
     if command[1].endswith("eval.py"):
         tags = args["tags"].split(",")
+        against = args.get("against") and (os.path.basename(args["against"]), [0.5] * len(tags),
+                                           [0.0] * len(tags))
         write_eval(os.path.dirname(os.path.dirname(os.path.dirname(args["out"]))),
-                   os.path.basename(args["checkpoint"]), tags, [0.5] * len(tags))
+                   os.path.basename(args["checkpoint"]), tags, [0.5] * len(tags),
+                   against=against)
     else:
         steps = int(args.get("config.trainer.total_steps") or args["config.sft.steps"])
         ckpt = checkpoint.Checkpointer(os.path.join(args["workdir"], "checkpoints"))
@@ -406,3 +417,53 @@ def test_rl_rows_start_from_the_sft_row_instead_of_training_it_again(tmp_path):
     tiny = [c for c in commands(variant="tiny") if c[1].endswith("train.py")]
     for c in alone + smoke + tiny:
         assert arg(c, "model.init_from") is None
+
+
+def test_rl_started_from_the_sft_row_is_evaluated_beside_it_and_the_table_pairs_them(tmp_path):
+    """Under a warm-starting variant (gpu) the RL row's evaluation plays its SFT run's
+    checkpoint too (`launch/eval.py --against`: the same levels, the same keys), so the
+    baselines table's paired row gives each seed's gain over its warm start: signed, with the
+    evaluation's standard error for one seed and the spread across seeds for several. An RL
+    evaluation made without its SFT run is made again with it; without a warm start (tiny) the
+    RL run has no SFT run to play against, and the paired row stays pending."""
+    w = str(tmp_path)
+    kw = dict(variant="gpu", rows=[reproduce.PAIRED_ROW], columns=["FrozenLakeNonSlippery"])
+    plan = [c for c, _ in reproduce.plan(["baselines"], w, **kw)]
+    # the paired row alone still trains the SFT run and starts RL from it
+    assert [os.path.basename(c[1]) for c in plan] == ["sft.py", "eval.py", "train.py", "eval.py"]
+    rl_eval = plan[-1]
+    assert f"--checkpoint={w}/starpo-s_FrozenLakeNonSlippery" in rl_eval
+    assert f"--against={w}/sft_FrozenLakeNonSlippery" in rl_eval
+    assert not any(a.startswith("--against") for a in plan[1])  # SFT's own evaluation
+    reproduce.check([(c, False) for c in plan])
+
+    def table(seeds=(0,)):
+        text = reproduce.format_table("baselines", w, seeds=seeds, **kw).splitlines()
+        (cell,) = json.loads(text[-1])["cells"]
+        return text[3].split("|")[1].strip(), cell
+
+    assert table()[0] == "pending / —"
+    # an evaluation of the RL run alone (an earlier reproduction's) does not pair it: again
+    write_eval(w, "starpo-s_FrozenLakeNonSlippery", ["FrozenLakeNonSlippery", "FrozenLake"],
+               [0.875, 0.25])
+    assert not reproduce.plan(["baselines"], w, **kw)[-1][1]
+    assert table()[0] == "pending / —"
+    write_eval(w, "starpo-s_FrozenLakeNonSlippery", ["FrozenLakeNonSlippery", "FrozenLake"],
+               [0.875, 0.25], against=("sft_FrozenLakeNonSlippery", [0.8125, 0.3125],
+                                       [0.0125, 0.02]))
+    assert reproduce.plan(["baselines"], w, **kw)[-1][1]  # done
+    text, cell = table()
+    assert text == "+6.25 ±1.25 (paired) / —"
+    assert (cell["ours"], cell["run"]) == (6.25, "starpo-s_FrozenLakeNonSlippery")
+    write_eval(w, "starpo-s_FrozenLakeNonSlippery_seed1", ["FrozenLakeNonSlippery", "FrozenLake"],
+               [0.75, 0.25], against=("sft_FrozenLakeNonSlippery_seed1", [0.8125, 0.25],
+                                      [0.01, 0.01]))
+    text, cell = table(seeds=(0, 1))
+    # mean of +6.25 and -6.25, standard error of that mean: sample sd 8.839 / sqrt(2) = 6.25
+    assert (text, cell["seeds"]) == ("+0.00 ±6.25 (2 seeds) / —", {"0": 6.25, "1": -6.25})
+    full = reproduce.format_table("baselines", w, variant="gpu", seeds=(0, 1))
+    assert f"{reproduce.PAIRED_ROW}: points of success the RL run gained" in full
+    tiny = [c for c, _ in reproduce.plan(["baselines"], w, variant="tiny", rows=kw["rows"],
+                                         columns=kw["columns"])]
+    assert [os.path.basename(c[1]) for c in tiny] == ["train.py", "eval.py"]
+    assert not any(a.startswith("--against") for c in tiny for a in c)
