@@ -340,7 +340,8 @@ def reinforce(c: ml_collections.ConfigDict) -> None:
     The tiny FrozenLake config's own RL; from a strong SFT warm start there it lifted success
     where StarPO-S's 8 levels x 16 episodes held it (five seeds), and on its slippery lake it
     lifted one as much as each level's own group did (three seeds: docs/results.md,
-    "Supervised warm start"); one 10-step CPU run from SmolLM2's slippery-lake SFT fell.
+    "Supervised warm start"); of two 10-step CPU runs from SmolLM2's slippery-lake SFT one
+    fell and one held.
     Learning rates, mini-batches and the validation are the variant's."""
     c.rollout.update(dict(env_groups=c.rollout.env_groups * c.rollout.group_size,
                           group_size=1))
