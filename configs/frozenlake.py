@@ -60,7 +60,7 @@ def get_config(arg=None):
         # failed alike: a sharpening policy makes most groups all-fail or all-succeed, which
         # carry no GRPO signal, and GRPO stalled below this. Half the levels per step (64), or
         # 8 updates per batch instead of 4, learned more slowly; twice the levels (256, so 8
-        # updates) took all of 8 seeds past 0.8, at 2.2x the time a step: even at equal time.
+        # updates) took all of 8 seeds past 0.8 but at 2.2x the time a step: no faster.
         # Rollouts take ~40% of a step; the context is cut to what 5 turns use (195 tokens).
         c.rollout.update(dict(env_groups=128, group_size=1, max_context=208))
         c.val.env_groups = 128  # = the training batch: one compiled rollout serves both
