@@ -367,6 +367,9 @@ def plan(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, row
 def planned_runs(tables, workdir, variant="", model_path="", steps=0, eval_groups=0, rows=(),
                  columns=(), extra=(), seeds=(0,)):
     """`plan`'s [(command, done, run)]: with the run each command trains or evaluates."""
+    def warm_starts(env):  # a cpu / gpu variant's RL runs start from an SFT run (not --steps)
+        return not steps and base_config(env, variant).sft.steps > 0
+
     needs = {}  # run -> tags, in order
     for table in tables:
         for cells in selected(table, rows, columns).values():
@@ -375,8 +378,7 @@ def planned_runs(tables, workdir, variant="", model_path="", steps=0, eval_group
                     continue
                 for seed in seeds:
                     runs = [dataclasses.replace(cell.run, seed=seed)]
-                    if cell.paired and not steps and base_config(cell.run.env,
-                                                                  variant).sft.steps > 0:
+                    if cell.paired and warm_starts(cell.run.env):
                         # RL starts from the SFT run, and its evaluation plays that run too
                         runs.append(dataclasses.replace(runs[0], algo="SFT"))
                     for run in runs:
@@ -391,8 +393,8 @@ def planned_runs(tables, workdir, variant="", model_path="", steps=0, eval_group
     # one SFT per env and seed; that SFT run then comes first.
     def shares(run):
         sft = dataclasses.replace(run, algo="SFT")
-        return sft if (run.algo not in ("SFT", "untrained") and not steps and sft in needs
-                       and base_config(run.env, variant).sft.steps > 0) else None
+        return sft if (run.algo not in ("SFT", "untrained") and sft in needs
+                       and warm_starts(run.env)) else None
 
     def emit(run):
         if run in emitted:
