@@ -15,6 +15,10 @@ current policy, l_j(r_i) = mean log-prob per reasoning token of r_i after x_j, a
     collapse/mi_estimate = mean_i (matched_i - marginal_i)     (at most log N)
     collapse/retrieval_accuracy = share of i whose best-scoring prompt is its own (chance ~1/N)
 
+and, as RAGEN-2, the same over summed log-probs (`_seq`), retrieval among the k best prompts
+(`@2`, `@4`, `@8`), the MI over the marginals' std (`mi_zscore`) and over that std's EMA across
+diagnostic steps (`_ema`, decay 0.9).
+
 What is scored, as RAGEN-2's first-turn sample: the prompt x is everything before the first
 reply's first model token (system prompt, env prefix, turn 1's observation and the reply prime),
 identical in every row of a group; the reasoning r is the first reply's `<think>` content, i.e.
@@ -26,7 +30,8 @@ an empty think part has no reasoning and is left out (RAGEN-2's regex finds none
 - thinking off (`rollout.enable_think=False`, the tiny configs): RAGEN-2 turns the detector
   off; here the reasoning is the whole first reply (its model tokens, e.g. `Left</answer>`),
   so the diagnostic says whether the first answer depends on the level at all;
-- RAGEN-2's EMA-normalised z-scores and top-k retrieval are not logged;
+- the EMA of the marginals' std (`_ema` figures) is kept in the run's checkpoints, so a
+  resumed run goes on from it (RAGEN-2 keeps it in memory: a restart begins it again);
 - the first-turn figures are named collapse/<name> (RAGEN-2: collapse_first_turn_sample/).
 
 The multi-turn sample (`trajectory_sample`): RAGEN-2's trajectory-uniform draws of (episode,
@@ -53,6 +58,8 @@ from starpo import update as update_lib
 
 THINK_END = b"</think>"
 BUCKET = 64  # pair sequences are padded to a multiple of this (few distinct compiled shapes)
+STD_EPS = 1e-3  # RAGEN-2's std_eps: the z-scores' denominators are std + this
+EMA_DECAY = 0.9  # RAGEN-2's ema_decay of the marginals' std across diagnostic steps
 
 
 def mi_metrics(cross_logp, own, cross_sum=None, same=None) -> dict:
@@ -88,11 +95,46 @@ def mi_metrics(cross_logp, own, cross_sum=None, same=None) -> dict:
            "collapse/conditional_entropy_est": -float(matched.mean()),
            "collapse/reasoning_entropy_est": -float(marginal.mean()),
            "collapse/marginal_std": std,
-           "collapse/mi_zscore": float(((matched - marginal) / (std + 1e-3)).mean())}
+           "collapse/mi_zscore": float(((matched - marginal) / (std + STD_EPS)).mean())}
+    # top-k retrieval: its own prompt (or an identical one) among the k best-scoring columns
+    best = np.argsort(-cross, axis=1, kind="stable")[:, :min(8, N)]
+    for k in (2, 4, 8):
+        k_eff = min(k, best.shape[1])
+        accuracy = float(same[best[:, :k_eff], own[:, None]].any(axis=1).mean())
+        chance_k = min(1.0, chance * k_eff)
+        out.update({f"collapse/retrieval_accuracy@{k}": accuracy,
+                    f"collapse/retrieval_chance_level@{k}": chance_k,
+                    f"collapse/retrieval_above_chance@{k}": accuracy - chance_k})
     if cross_sum is not None:
         matched_s, marginal_s = stats(np.asarray(cross_sum, np.float64))
-        out["collapse/mi_seq_estimate"] = float((matched_s - marginal_s).mean())
+        std_s = float(marginal_s.std())
+        out.update({"collapse/mi_seq_estimate": float((matched_s - marginal_s).mean()),
+                    "collapse/conditional_entropy_seq_est": -float(matched_s.mean()),
+                    "collapse/reasoning_entropy_seq_est": -float(marginal_s.mean()),
+                    "collapse/marginal_std_seq": std_s,
+                    "collapse/mi_zscore_seq": float(((matched_s - marginal_s)
+                                                     / (std_s + STD_EPS)).mean())})
     return out
+
+
+def with_ema(metrics: dict, previous: dict | None, decay: float = EMA_DECAY) -> tuple:
+    """RAGEN-2's cross-time normalisation of one sample's statistics (`mi_metrics` of this
+    step; `previous`: the state this returned at that sample's last diagnostic step, None at
+    its first). The EMA of the marginals' std (and of the summed log-probs' std) starts at its
+    first value and moves by (1 - decay) each diagnostic step; the MI over it is the z-score a
+    run's steps can be compared by. Returns (metrics with the _ema figures, the new state)."""
+    state = {}
+    for name, suffix in (("collapse/marginal_std", ""), ("collapse/marginal_std_seq", "_seq")):
+        if name not in metrics:
+            continue
+        now = metrics[name]
+        before = (previous or {}).get(name)
+        ema = now if before is None else decay * before + (1 - decay) * now
+        state[name] = ema
+        mi = metrics["collapse/mi_estimate" if not suffix else "collapse/mi_seq_estimate"]
+        metrics = {**metrics, f"collapse/marginal_std_ema{suffix}": ema,
+                   f"collapse/mi_zscore_ema{suffix}": mi / (ema + STD_EPS)}
+    return metrics, state
 
 
 def warns(metrics: dict, threshold: float) -> bool:
@@ -216,6 +258,15 @@ class TemplateCollapse:
         self.multi_turn = multi_turn
         self.token_bytes = token_bytes
         self.score = make_scorer(cfg, micro, chunk, temperature, compiler_options)
+        self.ema = {}  # per sample ("first_turn", "trajectory"): `with_ema`'s state
+
+    def state_dict(self) -> dict:
+        """The EMA state a checkpoint keeps, so that a resumed run logs what a straight one
+        does (RAGEN-2 keeps it in memory: a restart begins it again)."""
+        return {k: dict(v) for k, v in self.ema.items()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.ema = {k: dict(v) for k, v in (state or {}).items()}
 
     def due(self, n: int) -> bool:
         return self.freq > 0 and (n == 1 or n % self.freq == 0)
@@ -257,7 +308,9 @@ class TemplateCollapse:
                                                   reason_len, rows)
             mean, total, same = self.cross_scores(params, prompts, reasons,
                                                   min(self.samples, B) * columns)
-            out.update(mi_metrics(mean, own, total, same))
+            stats, self.ema["first_turn"] = with_ema(mi_metrics(mean, own, total, same),
+                                                     self.ema.get("first_turn"))
+            out.update(stats)
             out["collapse/num_samples"] = float(len(rows))
         if self.multi_turn:
             out.update(self.trajectory_sample(params, host, rng))
@@ -284,7 +337,8 @@ class TemplateCollapse:
         reasons = [np.asarray(tokens[m, prompt_len[m, t]:prompt_len[m, t] + reason_len[m, t]])
                    for m, t in pairs]
         mean, total, same = self.cross_scores(params, prompts, reasons, self.samples ** 2)
-        stats = mi_metrics(mean, np.arange(len(pairs)), total, same)
+        stats, self.ema["trajectory"] = with_ema(mi_metrics(mean, np.arange(len(pairs)), total,
+                                                            same), self.ema.get("trajectory"))
         out.update({"collapse_trajectory_sample/" + k.split("/", 1)[1]: v
                     for k, v in stats.items()})
         out["collapse_trajectory_sample/num_samples"] = float(len(pairs))

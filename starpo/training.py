@@ -326,6 +326,7 @@ class _Loop:
         self.contexts = UpdateContexts(run.trainer.context_bucket)
         self.writer = None
         self.empty = 0  # steps in a row whose rollout filter kept no group
+        self.template, self.template_state = None, None  # the diagnostic and its resumed EMA
 
     def run(self, resuming, t_build, progress, stop_after) -> dict:
         """The run from its start or its latest checkpoint; returns the last logged scalars."""
@@ -343,10 +344,10 @@ class _Loop:
                 self.writer.write(0, last)
                 self.log(metrics_lib.summary_line(0, total, last, self._keys()))
             bar = metrics_lib.Progress(self.start, total, "train", show=progress, log=self.log)
-            template = self._template()
+            self.template = self._template()
             done_here, n, stoppers = 0, self.start, []
             for step in bar:
-                n, last, warned_stop = self._step(step, template, bar.write)
+                n, last, warned_stop = self._step(step, self.template, bar.write)
                 done_here += 1
                 stoppers = harness.asked_to_stop(stop)
                 end = (n == total or bool(stoppers) or warned_stop
@@ -376,6 +377,7 @@ class _Loop:
             self.counter = int(meta.get("env_seed_counter",
                                         self.start * self.run_spec.batch.env_groups))
             self.detector.load_state_dict(meta["collapse_detector"])
+            self.template_state = meta.get("template_collapse")  # absent: saved before it was
             self.contexts = UpdateContexts(self.trainer.context_bucket,
                                            state=meta.get("update_contexts"))
             self.log(f"resuming {self.workdir} from step {self.start}")
@@ -387,6 +389,8 @@ class _Loop:
         if template is None and self.trainer.collapse_mi_freq > 0:
             self.log("note: trainer.collapse_mi_freq: the template-collapse diagnostic runs "
                      "only with rollout.context_window_mode=full (as RAGEN-2's): off for this run")
+        if template is not None:
+            template.load_state_dict(self.template_state)
         return template
 
     def _validate(self, n: int, say) -> dict:
@@ -461,4 +465,5 @@ class _Loop:
             "step": step, "env_seed_counter": self.counter, "seed": self.run_spec.seed,
             "config": json.loads(harness.config_json(self.run_spec.config)),
             "collapse_detector": self.detector.state_dict(),
+            "template_collapse": self.template.state_dict() if self.template else None,
             "update_contexts": self.contexts.state_dict()})

@@ -94,6 +94,8 @@ def reference_stats(mean, total, own, prompts):
     n, N = mean.shape
     same = [[list(a) == list(b) for b in prompts] for a in prompts]
     mi, mi_seq, hits, chance, matched_all, marg_all = 0.0, 0.0, 0, 0.0, [], []
+    top_hits = {2: 0, 4: 0, 8: 0}
+    matched_s_all, marg_s_all = [], []
     for i in range(n):
         marg = math.log(sum(math.exp(v) for v in mean[i])) - math.log(N)
         marg_s = math.log(sum(math.exp(v) for v in total[i])) - math.log(N)
@@ -101,16 +103,29 @@ def reference_stats(mean, total, own, prompts):
         mi_seq += (total[i, own[i]] - marg_s) / n
         best = max(range(N), key=lambda j: mean[i, j])
         hits += same[best][own[i]]
+        ranked = sorted(range(N), key=lambda j: -mean[i, j])
+        for k in top_hits:
+            top_hits[k] += any(same[j][own[i]] for j in ranked[:k])
         chance += sum(same[own[i]]) / N / n
         matched_all.append(mean[i, own[i]])
         marg_all.append(marg)
-    return {"collapse/mi_estimate": mi, "collapse/mi_seq_estimate": mi_seq,
-            "collapse/mi_upper_bound": math.log(N),
-            "collapse/retrieval_accuracy": hits / n, "collapse/retrieval_chance_level": chance,
-            "collapse/matched_log_prob_mean": float(np.mean(matched_all)),
-            "collapse/marginal_log_prob_mean": float(np.mean(marg_all)),
-            "collapse/conditional_entropy_est": -float(np.mean(matched_all)),
-            "collapse/marginal_std": float(np.std(marg_all))}
+        matched_s_all.append(total[i, own[i]])
+        marg_s_all.append(marg_s)
+    out = {"collapse/mi_estimate": mi, "collapse/mi_seq_estimate": mi_seq,
+           "collapse/mi_upper_bound": math.log(N),
+           "collapse/retrieval_accuracy": hits / n, "collapse/retrieval_chance_level": chance,
+           "collapse/matched_log_prob_mean": float(np.mean(matched_all)),
+           "collapse/marginal_log_prob_mean": float(np.mean(marg_all)),
+           "collapse/conditional_entropy_est": -float(np.mean(matched_all)),
+           "collapse/conditional_entropy_seq_est": -float(np.mean(matched_s_all)),
+           "collapse/reasoning_entropy_seq_est": -float(np.mean(marg_s_all)),
+           "collapse/marginal_std": float(np.std(marg_all)),
+           "collapse/marginal_std_seq": float(np.std(marg_s_all)),
+           "collapse/mi_zscore_seq": mi_seq / (float(np.std(marg_s_all)) + 1e-3)}
+    for k, h in top_hits.items():  # RAGEN-2: k at most 8 and N; chance k times the top-1's
+        out[f"collapse/retrieval_accuracy@{k}"] = h / n
+        out[f"collapse/retrieval_chance_level@{k}"] = min(1.0, chance * min(k, N))
+    return out
 
 
 def test_first_turn_reasoning_is_the_think_part_or_the_whole_reply():
@@ -185,6 +200,36 @@ def test_schedule_warning_and_identical_prompts():
                            "collapse/retrieval_chance_level": 0.25}, 0.01)
     assert not collapse.warns({"collapse/mi_estimate": 0.02,
                                "collapse/retrieval_chance_level": 0.25}, 0.01)
+
+
+def test_ema_of_the_marginals_std_carries_across_steps_and_checkpoints():
+    """RAGEN-2's `_ema` figures: the EMA of the marginals' std starts at its first value and
+    moves by a tenth towards each later one (decay 0.9), per sample; the MI over it is the
+    `mi_zscore_ema`. A diagnostic restored from `state_dict` (a resumed run) goes on from it."""
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(1, 50, int(L))) for L in (4, 6, 3)]
+    replies = [list(rng.integers(1, 50, int(rng.integers(1, 4)))) for _ in range(6)]
+    traj = episodes(prompts, replies, 2)
+    kw = dict(freq=1, samples=16, micro=8, thinking=False, compiler_options=FAST,
+              multi_turn=True)
+    det = collapse.TemplateCollapse(CFG, BYTES, **kw)
+    first = det(M.init_params(CFG, jax.random.key(3)), traj, seed=0, n=1)
+    params = M.init_params(CFG, jax.random.key(4))
+    saved = det.state_dict()
+    second = det(params, traj, seed=0, n=2)
+    for prefix in ("collapse/", "collapse_trajectory_sample/"):
+        for std, mi, suffix in (("marginal_std", "mi_estimate", ""),
+                                ("marginal_std_seq", "mi_seq_estimate", "_seq")):
+            ema1 = first[f"{prefix}marginal_std_ema{suffix}"]
+            assert ema1 == first[prefix + std]
+            ema2 = 0.9 * ema1 + 0.1 * second[prefix + std]
+            assert second[f"{prefix}marginal_std_ema{suffix}"] == pytest.approx(ema2, rel=1e-12)
+            assert second[f"{prefix}mi_zscore_ema{suffix}"] == pytest.approx(
+                second[prefix + mi] / (ema2 + 1e-3), rel=1e-12)
+        assert first[prefix + "marginal_std"] != second[prefix + "marginal_std"]  # it moved
+    resumed = collapse.TemplateCollapse(CFG, BYTES, **kw)
+    resumed.load_state_dict(saved)
+    assert resumed(params, traj, seed=0, n=2) == second
 
 
 def test_trajectory_uniform_draws_weigh_every_trajectory_alike():

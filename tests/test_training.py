@@ -252,6 +252,17 @@ def test_template_collapse_metrics_are_logged_on_ragen2s_steps(bandit_run, tmp_p
     assert "warning/template_collapse" not in rows[2]
     warned = [s for s in said if "template collapse" in s]
     assert len(warned) == sum(r["warning/template_collapse"] for r in rows[:2]) > 0, said
+    # the EMA of the marginals' std across diagnostic steps (RAGEN-2's decay 0.9), kept in the
+    # checkpoint: a run stopped after step 1 and resumed logs step 2's as the straight run does
+    std = [r["collapse/marginal_std"] for r in rows[:2]]
+    assert rows[1]["collapse/marginal_std_ema"] == pytest.approx(0.9 * std[0] + 0.1 * std[1])
+    resumed = str(tmp_path / "resumed")
+    for stop_after in (1, None):
+        training.train(config, resumed, progress=False, experiment=exp, log=said.append,
+                       stop_after=stop_after)
+    again = metrics.read_jsonl(os.path.join(resumed, "metrics.jsonl"))
+    assert again[1]["collapse/marginal_std_ema"] == pytest.approx(
+        rows[1]["collapse/marginal_std_ema"], rel=1e-6)
 
 
 def test_redirected_output_has_each_step_and_warning_on_a_line_of_its_own(
