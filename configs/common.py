@@ -251,6 +251,12 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # stop after this many steps in a row whose rollout filter kept no group (RAGEN-2's
         # rollout_filter_empty_stop_steps; only top_p can keep none); 0 = never
         rollout_filter_empty_stop_steps=5,
+        # RAGEN-2's two other stops (on in its trainer, off here as in the paper's; 0 = never):
+        # the in-group reward std of this many steps in a row below a tenth of its mean over
+        # the first this-many steps (RAGEN-2: 10), and a validation success below 1% on some
+        # tag this many validations in a row (RAGEN-2: 5)
+        reward_std_stop_steps=0,
+        low_success_stop_validations=0,
         collapse_window=10,  # steps of history the collapse detector compares against
         # RAGEN-2's template-collapse diagnostic (starpo/collapse.py): every first reply's
         # reasoning scored under each of the batch's prompts, logged as collapse/*. Runs on the

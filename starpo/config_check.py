@@ -61,6 +61,8 @@ RULES = {
     "trainer.log_samples": within(0),
     "trainer.collapse_window": within(1),
     "trainer.rollout_filter_empty_stop_steps": within(0, note="0 = never"),
+    "trainer.reward_std_stop_steps": within(0, note="0 = never"),
+    "trainer.low_success_stop_validations": within(0, note="0 = never"),
     "trainer.collapse_mi_freq": within(0, note="0 = off"),
     "trainer.collapse_mi_samples": within(1),
     "trainer.collapse_mi_micro_batch": within(1),

@@ -52,7 +52,8 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "trainer.collapse_mi_samples", "trainer.collapse_mi_micro_batch",
                      "trainer.collapse_mi_warn", "mesh.heartbeat_timeout_s", "sft.test_freq",
                      "trainer.collapse_mi_multi_turn", "trainer.offload_state",
-                     "sft.save_freq", "sft.demo_steps")
+                     "sft.save_freq", "sft.demo_steps", "trainer.reward_std_stop_steps",
+                     "trainer.low_success_stop_validations")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
@@ -68,6 +69,7 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "mesh.heartbeat_timeout_s": 60, "algorithm.filter_groups_metric": "score",
               "algorithm.filter_loss_scaling": "none",
               "trainer.rollout_filter_empty_stop_steps": 0,
+              "trainer.reward_std_stop_steps": 0, "trainer.low_success_stop_validations": 0,
               "algorithm.shuffle_mini_batches": True, "algorithm.pack_rows": True,
               "trainer.collapse_mi_multi_turn": False, "trainer.offload_state": False,
               # GiGPO's episode statistics ran over episodes before; a resumed GiGPO run

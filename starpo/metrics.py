@@ -305,3 +305,72 @@ class CollapseDetector:
         self._std.extend(float(x) for x in d["reward_std"])
         self._entropy.clear()
         self._entropy.extend(float(x) for x in d["entropy"])
+
+
+class RewardStdStop:
+    """RAGEN-2's reward-variance early stop (`agent_trainer.py`; on there, `trainer.
+    reward_std_stop_steps` here): its base is the mean in-group reward std of the first `steps`
+    steps whose filter kept a group; after those, `steps` such steps in a row all below `ratio`
+    x the base stop the run. A scale-free test, so the std's normalisation (n or n - 1) does not
+    matter; with groups of one episode the std is 0 throughout and it never stops (RAGEN-2's is
+    NaN, and never stops either)."""
+
+    def __init__(self, steps: int = 10, ratio: float = 0.1):
+        self.steps, self.ratio = steps, ratio
+        self.first: list[float] = []
+        self.recent = collections.deque(maxlen=max(steps, 1))
+
+    @property
+    def base(self) -> float | None:
+        return sum(self.first) / len(self.first) if len(self.first) == self.steps else None
+
+    def update(self, std: float) -> bool:
+        """Record one step's in-group reward std (steps whose filter kept nothing are not
+        passed); True when the run should stop."""
+        if self.steps <= 0:
+            return False
+        if self.base is None:
+            self.first.append(float(std))
+            return False
+        self.recent.append(float(std))
+        return (len(self.recent) == self.steps
+                and all(v < self.ratio * self.base for v in self.recent))
+
+    def state_dict(self) -> dict:
+        return {"first": list(self.first), "recent": list(self.recent)}
+
+    def load_state_dict(self, d: dict | None) -> None:
+        d = d or {}
+        self.first = [float(x) for x in d.get("first", [])]
+        self.recent.clear()
+        self.recent.extend(float(x) for x in d.get("recent", []))
+
+
+class LowSuccessStop:
+    """RAGEN-2's low-validation-success early stop (`agent_trainer.py`; on there, `trainer.
+    low_success_stop_validations` here): a validated tag whose success is below `threshold`
+    (1%) at `validations` validations in a row stops the run (the one before training does not
+    count, as RAGEN-2's runs outside its loop)."""
+
+    def __init__(self, validations: int = 5, threshold: float = 0.01):
+        self.validations, self.threshold = validations, threshold
+        self.low: dict[str, int] = {}
+
+    def update(self, scalars: dict) -> list[str]:
+        """Count a validation's `val/<tag>/success` scalars; the tags that stop the run."""
+        if self.validations <= 0:
+            return []
+        for name, value in scalars.items():
+            if name.startswith("val/") and name.endswith("/success"):
+                self.low[name] = self.low.get(name, 0) + 1 if value < self.threshold else 0
+        return self.stopping()
+
+    def stopping(self) -> list[str]:
+        """The success scalars that have been low for `validations` validations in a row."""
+        return [name for name, n in self.low.items() if 0 < self.validations <= n]
+
+    def state_dict(self) -> dict:
+        return dict(self.low)
+
+    def load_state_dict(self, d: dict | None) -> None:
+        self.low = {k: int(v) for k, v in (d or {}).items()}

@@ -480,6 +480,8 @@ class TrainerSpec:
     offload_state: bool  # optimizer moments and critic on the host while the actor samples
     stop_on_collapse: bool
     empty_stop_steps: int  # trainer.rollout_filter_empty_stop_steps (0 = never)
+    reward_std_stop_steps: int  # RAGEN-2's reward-variance stop (0 = never)
+    low_success_stop_validations: int  # RAGEN-2's low-validation-success stop (0 = never)
     collapse_window: int
     collapse_mi_freq: int  # 0 = the template-collapse diagnostic is off
     collapse_mi_samples: int
@@ -541,7 +543,8 @@ def _trainer(t) -> TrainerSpec:
         t.total_steps, t.save_freq, t.keep_checkpoints, t.log_samples, t.context_bucket,
         t.fast_compile, t.get("memory_check", True), t.get("offload_state", False),
         t.stop_on_collapse,
-        t.get("rollout_filter_empty_stop_steps", 0), t.collapse_window,
+        t.get("rollout_filter_empty_stop_steps", 0), t.get("reward_std_stop_steps", 0),
+        t.get("low_success_stop_validations", 0), t.collapse_window,
         t.get("collapse_mi_freq", 0), t.collapse_mi_samples, t.collapse_mi_micro_batch,
         t.collapse_mi_warn, t.get("collapse_mi_multi_turn", False))
 

@@ -322,6 +322,9 @@ class _Loop:
         # where the loop waits anyway; nothing on CPU, whose backend reports no peak)
         self.unmeasured = {"validation", "train"}
         self.detector = metrics_lib.CollapseDetector(window=run.trainer.collapse_window)
+        # RAGEN-2's other early stops (off unless their knobs are set)
+        self.std_stop = metrics_lib.RewardStdStop(run.trainer.reward_std_stop_steps)
+        self.success_stop = metrics_lib.LowSuccessStop(run.trainer.low_success_stop_validations)
         self.state, self.start, self.counter = None, 0, 0
         self.contexts = UpdateContexts(run.trainer.context_bucket)
         self.writer = None
@@ -378,6 +381,8 @@ class _Loop:
                                         self.start * self.run_spec.batch.env_groups))
             self.detector.load_state_dict(meta["collapse_detector"])
             self.template_state = meta.get("template_collapse")  # absent: saved before it was
+            self.std_stop.load_state_dict(meta.get("reward_std_stop"))
+            self.success_stop.load_state_dict(meta.get("low_success_stop"))
             self.contexts = UpdateContexts(self.trainer.context_bucket,
                                            state=meta.get("update_contexts"))
             self.log(f"resuming {self.workdir} from step {self.start}")
@@ -421,6 +426,9 @@ class _Loop:
         stop = self._flag(scalars)
         if spec.val.test_freq > 0 and n % spec.val.test_freq == 0:
             scalars.update(self._validate(n, say))
+            if self.success_stop.update(scalars):  # RAGEN-2: no success on a tag for a while
+                scalars["early_stopped/low_validation_success"] = 1.0
+                stop = True
         self.writer.write(n, scalars)
         say(metrics_lib.summary_line(n, spec.trainer.total_steps, scalars, self._keys()))
         self._warn(n, scalars, say)
@@ -442,7 +450,12 @@ class _Loop:
         self.empty = self.empty + 1 if scalars.get("rollout/kept_groups", 1.0) == 0 else 0
         scalars["rollout/consecutive_empty_after_filter_steps"] = float(self.empty)
         limit = t.empty_stop_steps
-        return bool((collapse and t.stop_on_collapse) or 0 < limit <= self.empty)
+        # RAGEN-2: the in-group reward std of the steps that trained, against its first steps'
+        if not self.empty and "rollout/in_group_std" in scalars:
+            if self.std_stop.update(scalars["rollout/in_group_std"]):
+                scalars["early_stopped/reward_variance_collapse"] = 1.0
+        return bool((collapse and t.stop_on_collapse) or 0 < limit <= self.empty
+                    or "early_stopped/reward_variance_collapse" in scalars)
 
     def _warn(self, n: int, scalars: dict, say) -> None:
         t = self.trainer
@@ -459,6 +472,16 @@ class _Loop:
         if 0 < limit <= self.empty:
             say(f"warning: step {n}: the rollout filter kept no group {self.empty} steps in a "
                 f"row (trainer.rollout_filter_empty_stop_steps={limit}): stopping")
+        if "early_stopped/reward_variance_collapse" in scalars:
+            k = t.reward_std_stop_steps
+            say(f"warning: step {n}: the in-group reward std stayed below a tenth of its first "
+                f"{k} steps' mean ({self.std_stop.base:.4g}) {k} steps in a row "
+                f"(trainer.reward_std_stop_steps={k}): stopping")
+        if "early_stopped/low_validation_success" in scalars:
+            k = t.low_success_stop_validations
+            say(f"warning: step {n}: validation success below 1% {k} validations in a row on "
+                f"{', '.join(self.success_stop.stopping())} "
+                f"(trainer.low_success_stop_validations={k}): stopping")
 
     def _save(self, step: int) -> None:  # a LoRA run's checkpoint holds what trains, not its base
         self.ckpt.save(step, update_lib.split_state(self.state)[0], {
@@ -466,4 +489,6 @@ class _Loop:
             "config": json.loads(harness.config_json(self.run_spec.config)),
             "collapse_detector": self.detector.state_dict(),
             "template_collapse": self.template.state_dict() if self.template else None,
+            "reward_std_stop": self.std_stop.state_dict(),
+            "low_success_stop": self.success_stop.state_dict(),
             "update_contexts": self.contexts.state_dict()})

@@ -172,6 +172,8 @@ BAD = {
     "trainer.log_samples": ["x", "-1"],
     "trainer.stop_on_collapse": ["maybe"],
     "trainer.rollout_filter_empty_stop_steps": ["x", "-1"],
+    "trainer.reward_std_stop_steps": ["x", "-1"],
+    "trainer.low_success_stop_validations": ["x", "-1"],
     "trainer.collapse_window": ["x", "0"],
     "trainer.collapse_mi_freq": ["x", "-1"],
     "trainer.collapse_mi_samples": ["x", "0"],

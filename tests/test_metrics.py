@@ -1,5 +1,6 @@
 """starpo.metrics: JSONL format and resume, TensorBoard events, summary line, CollapseDetector."""
 
+import collections
 import glob
 import io
 import json
@@ -208,6 +209,62 @@ def test_collapse_detector_state_dict_round_trip():
     resumed.load_state_dict(saved)
     got += [resumed.update(s, e) for s, e in zip(std[22:], ent[22:])]
     assert got == expected
+
+
+def ragen2_variance_stop(stds):
+    """RAGEN-2's reward-variance early stop as its trainer loop reads (`agent_trainer.py`):
+    the first 10 values make the base, then a window of the last 10; the step it stops at
+    (1-based index into `stds`), or None."""
+    first, base, recent = [], None, collections.deque(maxlen=10)
+    for i, v in enumerate(stds, 1):
+        if len(first) < 10:
+            first.append(v)
+            if len(first) == 10:
+                base = sum(first) / 10
+                recent.clear()
+        elif base is not None:
+            recent.append(v)
+            if len(recent) == 10 and all(x < 0.1 * base for x in recent):
+                return i
+    return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reward_std_stop_is_ragen2s_and_resumes(seed):
+    from starpo.metrics import RewardStdStop
+    rng = np.random.default_rng(seed)
+    # a healthy start, then a fall to a twentieth with a few spikes above the bar on the way
+    stds = list(rng.uniform(0.3, 0.5, 10 + 5 * seed)) + list(rng.uniform(0.0, 0.02, 30))
+    spike = 15 + 5 * seed  # 0-based: 5 steps into the fall
+    stds[spike] = 0.2  # above a tenth of the base: the next 10 steps must all be low again
+    want = ragen2_variance_stop(stds)
+    assert want == spike + 1 + 10
+    stop = RewardStdStop(10)
+    got = next((i for i, v in enumerate(stds, 1) if stop.update(v)), None)
+    assert got == want
+    # stopped and resumed part-way (the state in checkpoint meta), the same step
+    first = RewardStdStop(10)
+    assert not any(first.update(v) for v in stds[:17])
+    resumed = RewardStdStop(10)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert next(i for i, v in enumerate(stds[17:], 18) if resumed.update(v)) == want
+    assert not any(RewardStdStop(0).update(v) for v in stds)  # 0: never
+    assert not any(RewardStdStop(10).update(0.0) for _ in range(40))  # groups of one: std 0
+
+
+def test_low_success_stop_counts_each_tag_in_a_row():
+    """RAGEN-2's rule: a tag's validation success below 1% five validations in a row stops;
+    one at or above 1% starts its count again; other scalars do not count."""
+    from starpo.metrics import LowSuccessStop
+    stop = LowSuccessStop(5)
+    a, b = "val/FrozenLake/success", "val/Sokoban/success"
+    seq = [{a: 0.0, b: 0.5}, {a: 0.005, b: 0.0}, {a: 0.0, b: 0.0}, {a: 0.01, b: 0.0},
+           {a: 0.0, b: 0.0, "val/FrozenLake/solver_success": 0.0}, {a: 0.0, b: 0.0}]
+    assert [stop.update(v) for v in seq] == [[], [], [], [], [], [b]]
+    resumed = LowSuccessStop(5)
+    resumed.load_state_dict(json.loads(json.dumps(stop.state_dict())))
+    assert resumed.stopping() == [b]
+    assert LowSuccessStop(0).update({a: 0.0}) == []
 
 
 def test_episode_summaries_count_groups_all_passed_and_any_passed():

@@ -313,6 +313,45 @@ def test_a_run_stops_when_the_filter_keeps_nothing_steps_in_a_row(bandit_run, tm
     reader.close()
 
 
+def test_ragen2s_reward_std_and_low_success_stops(bandit_run, tmp_path, capfd, monkeypatch):
+    """trainer.reward_std_stop_steps=2: the base is the first 2 steps' mean in-group std
+    (0.5), then 2 trained steps in a row below 0.05 stop the run (a step whose filter kept
+    nothing does not count); trainer.low_success_stop_validations=2: two validations in a row
+    below 1% success stop it. Each stop logs its early_stopped/ scalar, warns and saves."""
+    config, exp = bandit_run
+    stds = iter([0.5, 0.5, 0.01, 0.3, 0.0, 0.01, 0.01, 0.5, 0.5, 0.5])
+    kept = iter([1, 1, 1, 1, 0, 1, 1, 1, 1, 1])
+    real_step = training.train_step
+
+    def step(*args, **kwargs):
+        state, scalars = real_step(*args, **kwargs)
+        return state, {**scalars, "rollout/in_group_std": next(stds),
+                       "rollout/kept_groups": float(next(kept))}
+
+    monkeypatch.setattr(training, "train_step", step)
+    runs = {}
+    for name, changes in (("std", dict(trainer__reward_std_stop_steps=2, val__test_freq=0)),
+                          ("success", dict(trainer__low_success_stop_validations=2,
+                                           val__test_freq=1))):
+        success = iter([0.0, 0.5, 0.0, 0.0, 0.5, 0.5])
+        monkeypatch.setattr(training._Loop, "_validate",
+                            lambda self, n, say, s=success: {"val/Bandit/success": next(s)})
+        workdir = str(tmp_path / name)
+        training.train(with_changes(config, trainer__total_steps=9, val__before_train=False,
+                                    **changes), workdir, progress=False, experiment=exp)
+        rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+        reader = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+        runs[name] = (rows[-1]["step"], reader.latest_step(), [k for k in rows[-1]
+                                                                 if k.startswith("early")])
+        reader.close()
+        stds, kept = iter([0.5] * 9), iter([1] * 9)  # the second run: its std never falls
+    assert runs["std"] == (7, 7, ["early_stopped/reward_variance_collapse"]), runs
+    assert runs["success"] == (4, 4, ["early_stopped/low_validation_success"]), runs
+    out, _ = capfd.readouterr()
+    assert "below a tenth of its first 2 steps' mean (0.5) 2 steps in a row" in out, out
+    assert "below 1% 2 validations in a row on val/Bandit/success" in out, out
+
+
 def test_measured_device_peaks_are_logged_beside_the_plan_once_per_phase(bandit_run, tmp_path,
                                                                          monkeypatch):
     """Where the backend reports a peak (not XLA:CPU: nothing is logged there), the first
