@@ -33,7 +33,12 @@ ALGORITHM = dict(
     rollout_filter_type="std",  # std (keep the highest std) | std_rev (the lowest)
     # RAGEN-2: top_k is the ratio filter above; top_p keeps the highest-std groups until their
     # share of the std mass reaches rollout_filter_top_p (RAGEN-2's rollout_filter_value)
-    rollout_filter_strategy="top_k",  # top_k | top_p
+    rollout_filter_strategy="top_k",  # top_k | top_p | top_k_abs | min_p
+    rollout_filter_count=1,  # top_k_abs: groups kept (RAGEN-2's rollout_filter_value)
+    rollout_filter_min_p=0.0,  # min_p: keep groups scoring >= this x the best; 0 keeps all
+    # what ranks the groups: reward_variance (in-group std, StarPO-S) | reward (mean) |
+    # reward_sum | length (mean reply tokens), as RAGEN-2's rollout_filter_metric
+    rollout_filter_metric="reward_variance",
     rollout_filter_top_p=1.0,  # in (0, 1]; 1 keeps every group (RAGEN-2 recommends 0.9)
     rollout_filter_top_p_prob_mode="linear",  # linear (std mass) | softmax
     rollout_filter_include_zero=True,  # False drops zero-std groups first
@@ -249,7 +254,8 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         log_samples=1,  # validation dialogues written as text each validation
         stop_on_collapse=False,  # stop when the Echo Trap warning fires
         # stop after this many steps in a row whose rollout filter kept no group (RAGEN-2's
-        # rollout_filter_empty_stop_steps; only top_p can keep none); 0 = never
+        # rollout_filter_empty_stop_steps; only a filter that masks rows can keep none: top_p,
+        # min_p, top_k without zero-score groups); 0 = never
         rollout_filter_empty_stop_steps=5,
         # RAGEN-2's two other stops (on in its trainer, off here as in the paper's; 0 = never):
         # the in-group reward std of this many steps in a row below a tenth of its mean over

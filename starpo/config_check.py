@@ -16,7 +16,7 @@ import dataclasses
 import math
 
 import envs
-from starpo import demos, evaluate, filtering, lora, model, run_config, sharding, weights
+from starpo import demos, evaluate, lora, model, run_config, sharding, weights
 from starpo import update as update_lib
 from starpo.precision import phase_dtypes
 from starpo.run_config import CONTEXT_WINDOW_MODES, ConfigError, check_rules, one_of, within
@@ -196,8 +196,7 @@ def _check_batches(config, algo) -> None:
     """The update's batch sizes divide as it needs: the kept rows into mini-batches, those into
     micro-batches (`update.num_updates` and the update's micro-batch split)."""
     r = config.rollout
-    kept = filtering.static_groups(r.env_groups, algo.rollout_filter_ratio,
-                                   algo.rollout_filter_strategy)
+    kept = algo.static_groups(r.env_groups)
     rows = kept * r.group_size
     mini, _ = update_lib.num_updates(algo, rows)
     # the old-log-prob forward runs over all kept rows, each optimizer update over a mini-batch

@@ -1,21 +1,24 @@
 """Rollout filters: keep the groups whose in-group reward std is highest (or lowest).
 
 Groups with identical rewards carry no learning signal for group-relative methods and little for
-PPO. Two strategies (RAGEN's `rollout_filter_strategy`):
+PPO. Groups are ranked by RAGEN-2's `rollout_filter_metric` (`group_scores`: the in-group std by
+default, or the group's mean or summed reward, or its mean reply length), under one of RAGEN-2's
+strategies (`rollout_filter_strategy`):
 
-top_k  StarPO-S (paper v1): keep round(rollout_filter_ratio * groups) groups by std. The kept
-       groups are gathered into a batch of static size `kept_groups(...) * group_size`, so the
-       forward passes and updates that follow really do less work.
-top_p  RAGEN-2's SNR-adaptive filter: keep the highest-std groups until their share of the std
-       mass reaches p (`top_p_groups`). How many groups that is depends on the rewards, but shapes
-       must not: the batch keeps all rows (the static maximum, `static_groups`) and the dropped
-       rows get a zero loss mask, so they add nothing to losses, token counts or statistics. This
-       saves no compute; it changes what is learned from.
+top_k      StarPO-S (paper v1): keep int(rollout_filter_ratio * groups) groups.
+top_k_abs  RAGEN-2: keep rollout_filter_count groups (at most all).
+           Both gather the kept groups into a batch of static size `static_groups(...) *
+           group_size`, so the forward passes and updates that follow really do less work.
+top_p      RAGEN-2's SNR-adaptive filter: keep the best-ranked groups until their share of the
+           score mass reaches p (`top_p_groups`).
+min_p      RAGEN-2: keep the groups scoring at least min_p x the best (`min_p_groups`).
+           How many groups these keep depends on the rewards, but shapes must not: the batch
+           keeps all rows (the static maximum, `static_groups`) and the dropped rows get a zero
+           loss mask, so they add nothing to losses, token counts or statistics. This saves no
+           compute; it changes what is learned from.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +27,11 @@ import numpy as np
 FILTER_TYPES = ("std", "std_rev")  # RAGEN-2 calls these `largest` / `smallest`
 # RAGEN-2's filter_loss_scaling: advantages times 1, the kept share of groups, or its root
 FILTER_LOSS_SCALINGS = ("none", "linear", "sqrt")
-FILTER_STRATEGIES = ("top_k", "top_p")
+FILTER_STRATEGIES = ("top_k", "top_p", "top_k_abs", "min_p")
+MASKED_STRATEGIES = ("top_p", "min_p")  # a kept count known only on device: rows masked
+# what ranks the groups (RAGEN-2's rollout_filter_metric): in-group reward std, mean, sum, or
+# the mean reply length (model tokens an episode)
+FILTER_METRICS = ("reward_variance", "reward", "reward_sum", "length")
 TOP_P_PROB_MODES = ("linear", "softmax")
 # what DAPO's dynamic sampling compares inside a group (`training.play_batch`)
 FILTER_GROUPS_METRICS = ("score", "success")
@@ -33,16 +40,48 @@ ZERO_STD = 1e-10
 
 
 def kept_groups(num_groups: int, ratio: float) -> int:
-    """round(ratio * num_groups) (halves round up), at least 1 and at most num_groups."""
+    """int(ratio * num_groups), at least 1 and at most num_groups: RAGEN's `topk(int(ratio *
+    num_groups))` (the paper's and RAGEN-2's), with RAGEN-2's floor of one group."""
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"rollout_filter_ratio must be in (0, 1], got {ratio}")
-    return min(num_groups, max(1, int(math.floor(ratio * num_groups + 0.5))))
+    return min(num_groups, max(1, int(ratio * num_groups)))
 
 
-def static_groups(num_groups: int, ratio: float, strategy: str) -> int:
-    """Groups in the update's batch: `kept_groups` for top_k, every group for top_p (whose
-    dropped groups are masked, not removed)."""
-    return num_groups if strategy == "top_p" else kept_groups(num_groups, ratio)
+def masks_rows(strategy: str, include_zero: bool = True) -> bool:
+    """Whether the filter's kept count is known only on device, so that the update keeps every
+    row and masks the dropped ones: top_p and min_p, and top_k / top_k_abs once zero-score
+    groups are left out (`include_zero` off: fewer than k may remain)."""
+    return strategy in MASKED_STRATEGIES or not include_zero
+
+
+def top_k_count(num_groups: int, ratio: float, strategy: str, count: int = 1) -> int:
+    """The k of top_k (`kept_groups`) or top_k_abs (`count`, at least 1, at most every
+    group)."""
+    if strategy == "top_k_abs":
+        return min(num_groups, max(1, count))
+    return kept_groups(num_groups, ratio)
+
+
+def static_groups(num_groups: int, ratio: float, strategy: str, count: int = 1,
+                  include_zero: bool = True) -> int:
+    """Groups in the update's batch: top_k's or top_k_abs's k (`top_k_count`), or every group
+    where the filter masks rows instead (`masks_rows`)."""
+    if masks_rows(strategy, include_zero):
+        return num_groups
+    return top_k_count(num_groups, ratio, strategy, count)
+
+
+def group_scores(rank_by: jax.Array, group_size: int, metric: str = "reward_variance",
+                 lengths: jax.Array | None = None) -> jax.Array:
+    """f32[G]: what ranks each group, from the rows' scores rank_by f32[B] (G x group_size):
+    their in-group std (`reward_variance`), mean (`reward`) or sum (`reward_sum`), or the mean
+    of the rows' reply lengths f32[B] (`length`: RAGEN-2's length filter ranks by it)."""
+    if metric not in FILTER_METRICS:
+        raise ValueError(f"unknown rollout_filter_metric {metric!r} (one of {FILTER_METRICS})")
+    if metric == "reward_variance":
+        return in_group_std(rank_by, group_size)
+    x = (lengths if metric == "length" else rank_by).astype(jnp.float32).reshape(-1, group_size)
+    return x.sum(axis=1) if metric == "reward_sum" else x.mean(axis=1)
 
 
 def in_group_std(score: jax.Array, group_size: int) -> jax.Array:
@@ -104,13 +143,15 @@ def select_groups(std: jax.Array, num_kept: int, filter_type: str) -> jax.Array:
 
 
 def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: str,
-                rank_by: jax.Array | None = None):
-    """Choose the rows to train on.
+                rank_by: jax.Array | None = None, metric: str = "reward_variance",
+                lengths: jax.Array | None = None, strategy: str = "top_k", count: int = 1):
+    """Choose the rows to train on (top_k, or top_k_abs with `count`).
 
     score: f32[B] trajectory rewards, B = G * group_size in group layout; rank_by: f32[B] the
-    scores whose in-group std ranks the groups (default `score`; the metrics stay on `score`).
-    Returns (rows int32[K * group_size] in increasing order, metrics) with K = kept_groups(G,
-    ratio). Metrics: `rollout/in_group_std` (mean over all groups), `rollout/chosen_in_group_std`
+    scores whose `group_scores` under `metric` rank the groups (default `score`; the metrics
+    stay on `score`; lengths f32[B]: the rows' reply lengths, for `length`).
+    Returns (rows int32[K * group_size] in increasing order, metrics) with K =
+    `top_k_count(G, ratio, strategy, count)`. Metrics: `rollout/in_group_std` (mean over all groups), `rollout/chosen_in_group_std`
     (mean over kept groups), `rollout/kept_groups`, `rollout/batch_std` (unbiased std of the
     whole batch's rewards: the spread to watch when every group is a single episode) and
     RAGEN-2's `rollout/filter_kept_ratio` (K / G) and `rollout/filter_zero_count` (the groups
@@ -120,9 +161,9 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
     if B % group_size:
         raise ValueError(f"batch {B} is not a multiple of group_size {group_size}")
     G = B // group_size
-    K = kept_groups(G, ratio)
+    K = top_k_count(G, ratio, strategy, count)
     std = in_group_std(score, group_size)
-    rank = std if rank_by is None else in_group_std(rank_by, group_size)
+    rank = group_scores(score if rank_by is None else rank_by, group_size, metric, lengths)
     if K == G:  # nothing to drop: skip the gather entirely
         groups = jnp.arange(G, dtype=jnp.int32)
     else:
@@ -181,12 +222,47 @@ def top_p_groups(std: jax.Array, top_p: float, filter_type: str, prob_mode: str 
     return jnp.zeros(std.shape, bool).at[order].set(ranked)
 
 
-def top_p_rows(score: jax.Array, group_size: int, top_p: float, filter_type: str,
-               prob_mode: str = "linear", include_zero: bool = True, eps: float = 0.01,
-               rank_by: jax.Array | None = None):
-    """The top-p filter over rows: (keep bool[B], metrics); B = G * group_size in group layout;
-    rank_by: the scores whose in-group std chooses the groups (default `score`; the metrics
-    stay on `score`).
+def min_p_groups(scores: jax.Array, min_p: float, filter_type: str,
+                 include_zero: bool = True) -> jax.Array:
+    """bool[G]: the groups RAGEN-2's min-p filter keeps, given each group's ranking score
+    f32[G]: among the candidates (all groups, or with `include_zero` off those scoring above
+    1e-10 in absolute value), for `std` (largest) those scoring at least min_p x the best
+    candidate's score (less 1e-10), for `std_rev` (smallest) those scoring at most the lowest
+    candidate's score / (min_p + 1e-10) (plus 1e-10); none where there is no candidate."""
+    if filter_type not in FILTER_TYPES:
+        raise ValueError(f"unknown rollout_filter_type {filter_type!r} (one of {FILTER_TYPES})")
+    cand = jnp.ones(scores.shape, bool) if include_zero else jnp.abs(scores) > ZERO_STD
+    if filter_type == "std":
+        best = jnp.where(cand, scores, -jnp.inf).max()
+        keep = scores >= best * min_p - ZERO_STD
+    else:
+        lowest = jnp.where(cand, scores, jnp.inf).min()
+        keep = scores <= lowest / (min_p + ZERO_STD) + ZERO_STD
+    return cand & keep
+
+
+def top_k_groups(scores: jax.Array, k: int, filter_type: str, include_zero: bool = True
+                 ) -> jax.Array:
+    """bool[G]: RAGEN-2's top_k / top_k_abs over candidates (all groups, or with
+    `include_zero` off those scoring above 1e-10 in absolute value): the min(k, candidates)
+    best-ranked (ties to the lower group index), none where there is no candidate."""
+    cand = jnp.ones(scores.shape, bool) if include_zero else jnp.abs(scores) > ZERO_STD
+    sign = 1.0 if filter_type == "std" else -1.0
+    order = jnp.argsort(jnp.where(cand & ~jnp.isnan(scores), -sign * scores, jnp.inf),
+                        stable=True)
+    ranked = jnp.arange(scores.shape[0]) < jnp.minimum(k, cand.sum())
+    return jnp.zeros(scores.shape, bool).at[order].set(ranked)
+
+
+def masked_rows(score: jax.Array, group_size: int, top_p: float, filter_type: str,
+                prob_mode: str = "linear", include_zero: bool = True, eps: float = 0.01,
+                rank_by: jax.Array | None = None, metric: str = "reward_variance",
+                lengths: jax.Array | None = None, strategy: str = "top_p", min_p: float = 0.0,
+                ratio: float = 1.0, count: int = 1):
+    """A filter that masks rows (`masks_rows`: top_p, min_p, or top_k / top_k_abs without
+    zero-score groups) over rows: (keep bool[B], metrics); B = G * group_size in group layout;
+    rank_by: the scores whose `group_scores` under `metric` choose the groups (default `score`;
+    the metrics stay on `score`; lengths: for `length`).
 
     Every row stays in the batch; `keep` marks the rows of kept groups (the update zeroes the
     loss mask of the others). Metrics: `rollout/in_group_std`, `rollout/chosen_in_group_std`
@@ -199,8 +275,14 @@ def top_p_rows(score: jax.Array, group_size: int, top_p: float, filter_type: str
         raise ValueError(f"batch {B} is not a multiple of group_size {group_size}")
     G = B // group_size
     std = in_group_std(score, group_size)
-    rank = std if rank_by is None else in_group_std(rank_by, group_size)
-    kept = top_p_groups(rank, top_p, filter_type, prob_mode, include_zero, eps)
+    rank = group_scores(score if rank_by is None else rank_by, group_size, metric, lengths)
+    if strategy == "min_p":
+        kept = min_p_groups(rank, min_p, filter_type, include_zero)
+    elif strategy == "top_p":
+        kept = top_p_groups(rank, top_p, filter_type, prob_mode, include_zero, eps)
+    else:
+        kept = top_k_groups(rank, top_k_count(G, ratio, strategy, count), filter_type,
+                            include_zero)
     n = kept.sum().astype(jnp.float32)
     metrics = {
         "rollout/in_group_std": std.mean(),

@@ -36,7 +36,7 @@ import re
 
 import jax.numpy as jnp
 
-from starpo import dialogue, filtering, lora, run_config
+from starpo import dialogue, lora, run_config
 from starpo import update as update_lib
 from starpo.model import CACHE_QUERY_BLOCK, ModelConfig
 
@@ -256,8 +256,7 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
                     prompt_tokens=prompt_tokens, model_shards=model_shards)
     S, S_val = contexts or (run.rollout.max_context, run.rollout.max_context)
     train_rows, val_rows = r.chunk, v.chunk  # episodes played at once
-    kept = filtering.static_groups(r.env_groups, algo.rollout_filter_ratio,
-                                   algo.rollout_filter_strategy) * r.group_size
+    kept = algo.static_groups(r.env_groups) * r.group_size
     micro = min(algo.micro_batch_size, kept)
     share = update_lib.static_loss_share(algo, kept, r.env_groups, S)  # the PPO loss packing
     packed = None

@@ -105,7 +105,11 @@ class AlgoConfig:
     rollout_filter_ratio: float = 0.25  # 1.0 keeps every group
     rollout_filter_type: str = "std"  # std (keep highest in-group std) | std_rev (lowest)
     # RAGEN-2: top_k is the ratio filter above; top_p keeps the highest-std groups up to a share
-    rollout_filter_strategy: str = "top_k"  # top_k | top_p
+    rollout_filter_strategy: str = "top_k"  # top_k | top_p | top_k_abs | min_p
+    rollout_filter_count: int = 1  # RAGEN-2's rollout_filter_value under top_k_abs: groups kept
+    rollout_filter_min_p: float = 0.0  # RAGEN-2's rollout_filter_value under min_p; 0 keeps all
+    # what ranks the groups: reward_variance (in-group std) | reward | reward_sum | length
+    rollout_filter_metric: str = "reward_variance"
     rollout_filter_top_p: float = 1.0  # RAGEN-2's rollout_filter_value under top_p; 1 keeps all
     rollout_filter_top_p_prob_mode: str = "linear"  # linear (std mass) | softmax
     rollout_filter_include_zero: bool = True  # False drops zero-std groups first
@@ -196,6 +200,7 @@ class AlgoConfig:
             "rollout_filter_type": filtering.FILTER_TYPES, "kl_loss_type": losses.KL_TYPES,
             "rollout_filter_strategy": filtering.FILTER_STRATEGIES,
             "rollout_filter_top_p_prob_mode": filtering.TOP_P_PROB_MODES,
+            "rollout_filter_metric": filtering.FILTER_METRICS,
             "gigpo_mode": adv_lib.GIGPO_MODES,
             "kl_penalty": losses.KL_TYPES, "loss_agg_mode": losses.LOSS_AGG_MODES,
             "filter_groups_metric": filtering.FILTER_GROUPS_METRICS,
@@ -217,6 +222,20 @@ class AlgoConfig:
 
     def replace(self, **changes) -> "AlgoConfig":
         return dataclasses.replace(self, **changes)
+
+    def static_groups(self, num_groups: int) -> int:
+        """Groups of a rollout of `num_groups` in the update's batch (`filtering.static_groups`:
+        the kept ones for top_k / top_k_abs, every one for the masked strategies)."""
+        return filtering.static_groups(num_groups, self.rollout_filter_ratio,
+                                       self.rollout_filter_strategy, self.rollout_filter_count,
+                                       self.rollout_filter_include_zero)
+
+    @property
+    def masks_rows(self) -> bool:
+        """Whether the rollout filter masks rows rather than gathering the kept ones
+        (`filtering.masks_rows`)."""
+        return filtering.masks_rows(self.rollout_filter_strategy,
+                                    self.rollout_filter_include_zero)
 
     @property
     def uses_critic(self) -> bool:
@@ -241,6 +260,7 @@ _RANGES = {
     "group_size": _SIZE, "context_window": _COUNT, "max_turn": _COUNT,
     "rollout_filter_ratio": within(0, 1, lo_open=True),
     "rollout_filter_top_p": within(0, 1, lo_open=True),
+    "rollout_filter_count": _SIZE, "rollout_filter_min_p": _RATE,
     "rollout_filter_selection_eps": _COUNT, "gigpo_step_advantage_w": _COUNT,
     "clip_ratio_low": _COUNT, "clip_ratio_high": _COUNT,
     "clip_ratio_c": within(1, lo_open=True),  # the dual clip bounds a ratio above 1

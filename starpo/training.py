@@ -216,8 +216,7 @@ def _batch_scalars(exp: experiment_lib.Experiment, traj, metrics, lengths, train
     # real tokens through the update's forward+backward passes: k mini-batches of `mini` of the
     # N kept rows (the old-log-prob forward is in the time, not in the count)
     # the filter's own count (at least one group), not a second copy of its formula
-    kept = filtering.static_groups(batch.env_groups, exp.algo.rollout_filter_ratio,
-                                   exp.algo.rollout_filter_strategy)
+    kept = exp.algo.static_groups(batch.env_groups)
     N = kept * batch.group_size
     mini, k = update_lib.num_updates(exp.algo, N)
     kept_tokens = float(lengths.sum()) * N / traj.tokens.shape[0]

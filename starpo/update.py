@@ -3,16 +3,19 @@
     update(state, traj, key, ref_params=None) -> (state, metrics)
 
 1. Trajectory rewards (turn rewards + penalty) are normalised within their groups.
-2. Rollout filter. top_k (StarPO-S): keep round(ratio * groups) groups by in-group reward std,
-   gathered into a smaller static-size batch (everything after this runs on the kept rows only).
-   top_p (RAGEN-2): keep a dynamic number of groups; all rows stay, dropped rows are masked.
+2. Rollout filter. top_k (StarPO-S): keep int(ratio * groups) groups by in-group reward std
+   (or RAGEN-2's top_k_abs: a count of them), gathered into a smaller static-size batch
+   (everything after this runs on the kept rows only). top_p / min_p (RAGEN-2), and top_k
+   without zero-score groups: keep a dynamic number of groups; all rows stay, dropped rows are
+   masked.
 3. The training forward recomputes old log-probs (and critic values, reference log-probs when a
    KL term needs them), micro-batch by micro-batch; the sampler/trainer gap is logged.
 4. Rewards go onto tokens; advantages by GAE / bi-level GAE / GRPO / GiGPO.
 5. Online-k: k mini-batch updates (`lax.scan`), each accumulating gradients over micro-batches
    (`lax.scan`) and applying AdamW with global-norm clipping to the actor and the critic. An
    update whose loss or gradients are not finite is skipped and counted; one whose mini-batch
-   holds no loss token (top_p masks them) is skipped, so AdamW does not step on nothing.
+   holds no loss token (a masking filter dropped them) is skipped, so AdamW does not step on
+   nothing.
 
 The state is donated, except for frozen weights (LoRA's base, `starpo/lora.py`): those pass
 through as the same buffers, and gradients, AdamW moments and the clipping norm cover the
@@ -539,20 +542,27 @@ def _micro_size(algo: AlgoConfig, rows: int) -> int:
 # ----------------------------------------------------------------------------- prepare
 def _filter(algo: AlgoConfig, traj: Trajectory, normalised, scale, score):
     """The rollout filter: (traj, normalised, scale, score, keep bool[N], metrics) of the rows
-    the update runs on. top_k gathers the kept rows (keep is all True); top_p keeps every row and
-    marks the kept groups' rows in `keep`. Groups are ranked by the std of their normalised
-    scores, as RAGEN-2 ranks the scores its reward normalisation wrote (they differ from the
+    the update runs on. top_k / top_k_abs gather the kept rows (keep is all True); a filter
+    that masks (`algo.masks_rows`) keeps every row and marks the kept groups' rows in `keep`.
+    Groups are ranked by `rollout_filter_metric` of their normalised scores (the std by
+    default), as RAGEN-2 ranks the scores its reward normalisation wrote (they differ from the
     raw scores' under mean_std normalisation over the batch); the logged stds stay the raw
     scores' (the Echo Trap detector watches them)."""
     B = score.shape[0]
-    if algo.rollout_filter_strategy == "top_p":
-        keep, metrics = filtering.top_p_rows(
+    rank = dict(rank_by=normalised, metric=algo.rollout_filter_metric,
+                strategy=algo.rollout_filter_strategy,
+                lengths=(traj.loss_mask.sum(axis=1) if algo.rollout_filter_metric == "length"
+                         else None))
+    if algo.masks_rows:
+        keep, metrics = filtering.masked_rows(
             score, algo.group_size, algo.rollout_filter_top_p, algo.rollout_filter_type,
             algo.rollout_filter_top_p_prob_mode, algo.rollout_filter_include_zero,
-            algo.rollout_filter_selection_eps, rank_by=normalised)
+            algo.rollout_filter_selection_eps, min_p=algo.rollout_filter_min_p,
+            ratio=algo.rollout_filter_ratio, count=algo.rollout_filter_count, **rank)
         return traj, normalised, scale, score, keep, metrics
     rows, metrics = filtering.filter_rows(score, algo.group_size, algo.rollout_filter_ratio,
-                                          algo.rollout_filter_type, rank_by=normalised)
+                                          algo.rollout_filter_type,
+                                          count=algo.rollout_filter_count, **rank)
     if rows.shape[0] < B:
         traj = traj.take(rows)
         normalised, scale, score = normalised[rows], scale[rows], score[rows]
@@ -699,7 +709,7 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
         batch = Batch(tokens=traj.tokens, valid=valid, loss_mask=mask, old_logprobs=old_logp,
                       ref_logprobs=ref_logp, old_values=values, advantages=advantages,
                       returns=returns, turns=rows[2] if algo.context_window else None,
-                      keep=keep if algo.rollout_filter_strategy == "top_p" else None,
+                      keep=keep if algo.masks_rows else None,
                       positions=positions)
         return batch, metrics
 
@@ -925,13 +935,14 @@ def plain_split(algo: AlgoConfig, rows: int, groups: int) -> bool:
     rows alone (`minibatch_order`): no top-p mask (the batch holds only kept rows) and no
     copies to grow it (`adjusted_size`); else `kept_minibatch_order`'s plan."""
     mini = min(algo.ppo_mini_batch_size, rows)
-    return (algo.rollout_filter_strategy != "top_p"
+    return (not algo.masks_rows
             and adjusted_size(rows, groups, mini) == rows)
 
 
 def _minibatch_plan(algo: AlgoConfig, batch: Batch, traj: Trajectory, key: jax.Array):
     """(order [k, mini] of row indices, real bool[k]): the mini-batches of one update, those
-    past the kept rows (top_p, or a batch RAGEN-2 would grow by copies) marked not real."""
+    past the kept rows (a masking filter, or a batch RAGEN-2 would grow by copies) marked not
+    real."""
     rows_in = batch.tokens.shape[0]
     groups = traj.tokens.shape[0] // algo.group_size  # the rollout's, before the filter
     if plain_split(algo, rows_in, groups):

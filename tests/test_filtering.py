@@ -19,7 +19,7 @@ def ref_filter(score, group_size, ratio, kind):
     groups = np.asarray(score, np.float64).reshape(-1, group_size)
     G = len(groups)
     stds = [g.std(ddof=1) if group_size > 1 else 0.0 for g in groups]
-    keep = min(G, max(1, int(np.floor(ratio * G + 0.5))))
+    keep = min(G, max(1, int(ratio * G)))  # RAGEN: topk(int(ratio * groups)), RAGEN-2: >= 1
     sign = -1 if kind == "std" else 1
     order = sorted(range(G), key=lambda g: (sign * stds[g], g))
     chosen = sorted(order[:keep])
@@ -28,9 +28,10 @@ def ref_filter(score, group_size, ratio, kind):
 
 
 @pytest.mark.parametrize("ratio,groups,want", [
-    (0.25, 8, 2), (0.5, 8, 4), (1.0, 8, 8), (0.25, 2, 1), (0.25, 6, 2), (0.3, 5, 2),
-    (0.01, 4, 1), (0.75, 2, 2)])
-def test_kept_groups_rounds(ratio, groups, want):
+    (0.25, 8, 2), (0.5, 8, 4), (1.0, 8, 8), (0.25, 2, 1), (0.25, 6, 1), (0.3, 5, 1),
+    (0.01, 4, 1), (0.75, 2, 1), (0.7, 10, 7), (0.29, 100, 28)])
+def test_kept_groups_rounds_down_as_ragen(ratio, groups, want):
+    """RAGEN's int(ratio * groups) in float64 (0.29 * 100 is 28.999...: 28), at least 1."""
     assert F.kept_groups(groups, ratio) == want
 
 

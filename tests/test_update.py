@@ -585,19 +585,27 @@ def test_lr_schedule_warmup_then_cosine_decay():
 
 
 # ----------------------------------------------------------------------------- top-p, GiGPO
-def test_top_p_masks_what_the_ratio_filter_drops(params, traj, grpo_batch):
-    """Top-p set to keep the same two groups as the ratio filter: the same rows train, with the
-    same masks and advantages; the other groups stay in the batch with nothing to train on."""
+@pytest.mark.parametrize("strategy,include_zero", [("top_p", True), ("min_p", True),
+                                                   ("top_k_abs", True), ("top_k", False)])
+def test_top_p_masks_what_the_ratio_filter_drops(params, traj, grpo_batch, strategy,
+                                                 include_zero):
+    """Top-p (or RAGEN-2's min-p, top-k-abs, or top-k without zero-std groups) set to keep the
+    same two groups as the ratio filter: the same rows train, with the same masks and
+    advantages; where the filter masks rows the other groups stay in the batch with nothing to
+    train on, top-k-abs gathers the two."""
     from starpo import filtering
     std = np.sort(np.asarray(filtering.in_group_std(traj.score, GROUP_SIZE)))[::-1]
     assert std[1] > 0.01 and std[1] > std[2]
-    p = float(std[:2].sum() / std.sum())
-    algo = GRPO.replace(rollout_filter_strategy="top_p", rollout_filter_top_p=p)
+    algo = GRPO.replace(rollout_filter_strategy=strategy, rollout_filter_count=2,
+                        rollout_filter_include_zero=include_zero,
+                        rollout_filter_top_p=float(std[:2].sum() / std.sum()),
+                        rollout_filter_min_p=float((std[1] + std[2]) / 2 / std[0]))
     state = UP.init_train_state(algo, copy(params[0]))
     batch, metrics = _jit(UP.make_prepare(algo, CFG))(state, traj)
     want, want_metrics = grpo_batch
     keep = np.asarray(batch.loss_mask).any(axis=1)
-    assert batch.tokens.shape[0] == GROUPS * GROUP_SIZE and keep.sum() == 4
+    rows = GROUPS * GROUP_SIZE if algo.masks_rows else 4
+    assert batch.tokens.shape[0] == rows and keep.sum() == 4
     assert float(metrics["rollout/kept_groups"]) == 2
     assert np.array_equal(np.asarray(batch.tokens)[keep], np.asarray(want.tokens))
     assert np.array_equal(np.asarray(batch.loss_mask)[keep], np.asarray(want.loss_mask))
