@@ -46,6 +46,12 @@ ALGORITHM = dict(
     # RAGEN-2's filter_loss_scaling: advantages x (kept share of groups) under linear, x its
     # square root under sqrt, as they are under none
     filter_loss_scaling="none",
+    # RAGEN-2's other advantage scalings, under GRPO: each group's advantages times its reward
+    # std / the largest kept group's (a soft filter), and each row's times the mean reply
+    # length / its own; and its ablation that zeroes every advantage
+    soft_advantage_reweight=False,
+    grpo_advantage_length_weight=False,
+    zero_task_advantage=False,
     # GiGPO (verl-agent): + w x step-level advantage from groups of identical env states,
     # over turn returns discounted by `gamma`
     gigpo_step_advantage_w=1.0,

@@ -117,6 +117,10 @@ class AlgoConfig:
     # RAGEN-2's filter_loss_scaling: advantages times the kept share of groups (linear), its
     # square root (sqrt), or as they are (none)
     filter_loss_scaling: str = "none"
+    # RAGEN-2's other advantage scalings and ablation (`update._reweight`), all off
+    soft_advantage_reweight: bool = False  # GRPO: each group's by its std / the largest
+    grpo_advantage_length_weight: bool = False  # GRPO: each row's by mean length / its own
+    zero_task_advantage: bool = False  # every advantage 0 (no task-driven policy gradient)
     # GiGPO (verl-agent): step-level advantages of identical states, discounted by `gamma`
     gigpo_step_advantage_w: float = 1.0
     gigpo_mode: str = "mean_norm"  # mean_norm | mean_std_norm (both levels)

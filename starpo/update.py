@@ -627,6 +627,35 @@ def _score(algo: AlgoConfig, traj: Trajectory):
     return traj.score + penalty, penalty
 
 
+def _reweight(algo: AlgoConfig, advantages, score, group_id, mask, keep, metrics: dict):
+    """RAGEN-2's scalings of the advantages after the estimator, in its order (each off by
+    default): under GRPO, `soft_advantage_reweight` (each group's by its reward std over the
+    largest kept group's, + 1e-6; logs train/soft_reweight_min / max / mean over the kept
+    groups); `filter_loss_scaling` (by the kept share of groups, or its square root); under
+    GRPO, `grpo_advantage_length_weight` (each row's by the kept rows' mean reply length over
+    its own, + 1e-6). score f32[B]: the rows' summed token rewards (what GRPO compared)."""
+    kept = keep & mask.any(axis=1)
+    if algo.soft_advantage_reweight and algo.adv_estimator == "grpo":
+        _, std, n = adv_lib.group_mean_std(score, group_id)
+        std = jnp.where(n <= 1, 1.0, std)  # GRPO's std of a group of one (verl's convention)
+        weight = std / (jnp.where(kept, std, -jnp.inf).max() + 1e-6)
+        advantages = advantages * weight[:, None]
+        # every kept group has group_size rows, so row statistics are the groups'
+        metrics.update({"train/soft_reweight_min": jnp.where(kept, weight, jnp.inf).min(),
+                        "train/soft_reweight_max": jnp.where(kept, weight, -jnp.inf).max(),
+                        "train/soft_reweight_mean": jnp.where(kept, weight, 0.0).sum()
+                        / jnp.maximum(kept.sum(), 1)})
+    if algo.filter_loss_scaling != "none":  # RAGEN-2: a smaller kept share, smaller steps
+        ratio = metrics["rollout/filter_kept_ratio"]
+        advantages = advantages * (ratio if algo.filter_loss_scaling == "linear"
+                                   else jnp.sqrt(ratio))
+    if algo.grpo_advantage_length_weight and algo.adv_estimator == "grpo":
+        length = mask.sum(axis=1).astype(jnp.float32)
+        mean = jnp.where(kept, length, 0.0).sum() / jnp.maximum(kept.sum(), 1)
+        advantages = advantages / ((length + 1e-6) / mean)[:, None]
+    return advantages
+
+
 def _advantages(algo: AlgoConfig, critic_cfg, state, traj: Trajectory, rewards, mask, micro,
                 rows, packed: bool = False):
     """(advantages, returns, critic values or None) of the kept rows by `algo.adv_estimator`;
@@ -699,10 +728,10 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
 
         advantages, returns, values = _advantages(algo, critic_cfg, state, traj, rewards, mask,
                                                   micro, rows, packing.packs_rows(algo, positions))
-        if algo.filter_loss_scaling != "none":  # RAGEN-2: a smaller kept share, smaller steps
-            ratio = metrics["rollout/filter_kept_ratio"]
-            advantages = advantages * (ratio if algo.filter_loss_scaling == "linear"
-                                       else jnp.sqrt(ratio))
+        advantages = _reweight(algo, advantages, rewards.sum(axis=1), traj.group_id, mask, keep,
+                               metrics)
+        if algo.zero_task_advantage:  # RAGEN-2's ablation: no task-driven policy gradient
+            advantages = jnp.zeros_like(advantages)
 
         metrics.update(_prepare_metrics(algo, traj, mask, score, rewards, old_logp, ref_logp,
                                         values, advantages, returns, keep))

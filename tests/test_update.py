@@ -617,6 +617,48 @@ def test_top_p_masks_what_the_ratio_filter_drops(params, traj, grpo_batch, strat
         assert float(metrics[name]) == pytest.approx(float(want_metrics[name]), rel=1e-5), name
 
 
+@pytest.mark.parametrize("knobs", [
+    dict(soft_advantage_reweight=True), dict(filter_loss_scaling="linear"),
+    dict(grpo_advantage_length_weight=True), dict(zero_task_advantage=True),
+    dict(soft_advantage_reweight=True, filter_loss_scaling="sqrt",
+         grpo_advantage_length_weight=True)])
+def test_ragen2s_advantage_scalings(params, traj, grpo_batch, knobs):
+    """RAGEN-2's scalings after GRPO's advantages, as its trainer applies them in turn (read
+    as a loop over the kept groups and rows): each group's by its score std over the largest
+    kept group's + 1e-6; by the kept share of groups (or its root); each row's by the kept rows'
+    mean reply length over its own + 1e-6; or zero."""
+    from starpo import filtering
+    score = np.asarray(traj.score, np.float64).reshape(GROUPS, GROUP_SIZE)
+    stds = [float(np.std(g, ddof=1)) for g in score]
+    kept = sorted(sorted(range(GROUPS), key=lambda g: (-stds[g], g))[:2])  # ratio 0.5
+    rows = [g * GROUP_SIZE + i for g in kept for i in range(GROUP_SIZE)]
+    lengths = np.asarray(traj.loss_mask).sum(axis=1)[rows].astype(np.float64)
+    factor = np.ones(len(rows))
+    if knobs.get("soft_advantage_reweight"):
+        largest = max(stds[g] for g in kept)
+        factor *= [stds[r // GROUP_SIZE] / (largest + 1e-6) for r in rows]
+    share = len(kept) / GROUPS
+    factor *= {"none": 1.0, "linear": share, "sqrt": share ** 0.5}[
+        knobs.get("filter_loss_scaling", "none")]
+    if knobs.get("grpo_advantage_length_weight"):
+        factor /= (lengths + 1e-6) / lengths.mean()
+    if knobs.get("zero_task_advantage"):
+        factor *= 0.0
+    algo = GRPO.replace(**knobs)
+    state = UP.init_train_state(algo, copy(params[0]))
+    batch, metrics = _jit(UP.make_prepare(algo, CFG))(state, traj)
+    base, _ = grpo_batch
+    assert np.asarray(filtering.in_group_std(traj.score, GROUP_SIZE))[kept].min() > 0
+    np.testing.assert_allclose(np.asarray(batch.advantages),
+                               np.asarray(base.advantages) * factor[:, None], rtol=1e-5,
+                               atol=1e-7)
+    if knobs.get("soft_advantage_reweight"):
+        weights = [stds[g] / (max(stds[k] for k in kept) + 1e-6) for g in kept]
+        for name, want in (("min", min(weights)), ("max", max(weights)),
+                           ("mean", np.mean(weights))):
+            assert float(metrics[f"train/soft_reweight_{name}"]) == pytest.approx(want, rel=1e-5)
+
+
 def test_gigpo_prepare_uses_the_state_hashes(params, traj):
     from starpo import advantages as A
     algo = GRPO.replace(adv_estimator="gigpo", rollout_filter_ratio=1.0, gamma=0.9,
