@@ -50,6 +50,9 @@ ALGORITHM = dict(
     # std / the largest kept group's (a soft filter), and each row's times the mean reply
     # length / its own; and its ablation that zeroes every advantage
     soft_advantage_reweight=False,
+    # RAGEN-2's batch_adjust_mode: a filtered batch grows by copies of its rows to a multiple
+    # of lcm(env_groups, ppo_mini_batch_size) (copy), or loses random rows down to one (delete)
+    batch_adjust_mode="copy",
     grpo_advantage_length_weight=False,
     zero_task_advantage=False,
     # GiGPO (verl-agent): + w x step-level advantage from groups of identical env states,

@@ -33,6 +33,9 @@ MASKED_STRATEGIES = ("top_p", "min_p")  # a kept count known only on device: row
 # the mean reply length (model tokens an episode)
 FILTER_METRICS = ("reward_variance", "reward", "reward_sum", "length")
 TOP_P_PROB_MODES = ("linear", "softmax")
+# RAGEN-2's batch_adjust_mode: how a filtered batch reaches a mini-batch multiple
+# (`update.adjusted_size`)
+ADJUST_MODES = ("copy", "delete")
 # what DAPO's dynamic sampling compares inside a group (`training.play_batch`)
 FILTER_GROUPS_METRICS = ("score", "success")
 # RAGEN-2's test for a zero-variance group (rollout_filter_include_zero=False drops those)

@@ -72,7 +72,7 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "trainer.reward_std_stop_steps": 0, "trainer.low_success_stop_validations": 0,
               "algorithm.rollout_filter_count": 1, "algorithm.rollout_filter_min_p": 0.0,
               "algorithm.rollout_filter_metric": "reward_variance",
-              "algorithm.soft_advantage_reweight": False,
+              "algorithm.soft_advantage_reweight": False, "algorithm.batch_adjust_mode": "copy",
               "algorithm.grpo_advantage_length_weight": False,
               "algorithm.zero_task_advantage": False,
               "algorithm.shuffle_mini_batches": True, "algorithm.pack_rows": True,

@@ -119,6 +119,9 @@ class AlgoConfig:
     filter_loss_scaling: str = "none"
     # RAGEN-2's other advantage scalings and ablation (`update._reweight`), all off
     soft_advantage_reweight: bool = False  # GRPO: each group's by its std / the largest
+    # RAGEN-2's batch_adjust_mode: grow a filtered batch by copies to the mini-batch multiple,
+    # or delete rows down to it
+    batch_adjust_mode: str = "copy"
     grpo_advantage_length_weight: bool = False  # GRPO: each row's by mean length / its own
     zero_task_advantage: bool = False  # every advantage 0 (no task-driven policy gradient)
     # GiGPO (verl-agent): step-level advantages of identical states, discounted by `gamma`
@@ -205,6 +208,7 @@ class AlgoConfig:
             "rollout_filter_strategy": filtering.FILTER_STRATEGIES,
             "rollout_filter_top_p_prob_mode": filtering.TOP_P_PROB_MODES,
             "rollout_filter_metric": filtering.FILTER_METRICS,
+            "batch_adjust_mode": filtering.ADJUST_MODES,
             "gigpo_mode": adv_lib.GIGPO_MODES,
             "kl_penalty": losses.KL_TYPES, "loss_agg_mode": losses.LOSS_AGG_MODES,
             "filter_groups_metric": filtering.FILTER_GROUPS_METRICS,

@@ -904,11 +904,14 @@ def minibatch_order(algo: AlgoConfig, rows: int, key: jax.Array) -> jax.Array:
     return perms[:, :per_epoch * mini].reshape(epochs * per_epoch, mini)[:k]
 
 
-def adjusted_size(kept, groups: int, mini: int):
-    """RAGEN-2's `adjust_batch` (mode "copy"): a batch of `kept` rows grows by copies of its own
-    rows to the next multiple of lcm(env_groups, ppo_mini_batch_size) (its third factor, the
-    GPU count, is 1 here: the mesh splits each mini-batch). Python or traced ints."""
+def adjusted_size(kept, groups: int, mini: int, mode: str = "copy"):
+    """RAGEN-2's `adjust_batch`: a batch of `kept` rows grows by copies of its own rows to the
+    next multiple of lcm(env_groups, ppo_mini_batch_size) (mode "copy"), or loses rows down to
+    the multiple below (mode "delete"); its third factor, the GPU count, is 1 here: the mesh
+    splits each mini-batch. Python or traced ints."""
     step = math.lcm(groups, mini)
+    if mode == "delete":
+        return kept // step * step
     return (kept + step - 1) // step * step
 
 
@@ -916,9 +919,10 @@ def kept_minibatch_order(algo: AlgoConfig, keep: jax.Array, groups: int, key: ja
     """(order int32[k, mini], real bool[k]): RAGEN-2's mini-batches of a filtered batch in a
     static shape. The n kept rows (`keep` bool[N]) alone form the batch, grown by copies of
     random kept rows to `adjusted_size` n' (copies drawn once, without replacement where n'-n
-    <= n, as the reference); each epoch takes n' / mini mini-batches of a fresh permutation of
-    those n' rows (without `shuffle_mini_batches`: the n' rows in order, the kept rows in row
-    order then the copies). k = ppo_epochs x the most mini-batches any n can need; the ones past
+    <= n, as the reference), or under `batch_adjust_mode="delete"` cut to n' by dropping n-n'
+    random kept rows; each epoch takes n' / mini mini-batches of a fresh permutation of those
+    n' rows (without `shuffle_mini_batches`: the n' rows in order, the kept rows in row order
+    then the copies). k = ppo_epochs x the most mini-batches any n can need; the ones past
     n' / mini in each epoch are not real: the update computes but never applies them (exact
     no-ops)."""
     N = keep.shape[0]
@@ -927,16 +931,22 @@ def kept_minibatch_order(algo: AlgoConfig, keep: jax.Array, groups: int, key: ja
     slots = cap // mini
     k = algo.online_k if algo.online_k > 0 else algo.ppo_epochs * slots
     n = keep.sum()
-    n_adj = jnp.minimum(adjusted_size(n, groups, mini), cap)
+    n_adj = jnp.minimum(adjusted_size(n, groups, mini, algo.batch_adjust_mode), cap)
     key, k_perm, k_draw = jax.random.split(key, 3)
     kept_rows = jnp.argsort(~keep, stable=True)  # the kept rows first, in row order
     i = jnp.arange(cap)
-    # copies: the first n'-n of a random order of the kept rows, or n'-n draws with replacement
+    # a random order of the kept rows: the copies are its first n'-n (or n'-n draws with
+    # replacement), the deleted rows its first n-n'
     shuffled = kept_rows[jnp.argsort(jnp.where(jnp.arange(N) < n,
                                                jax.random.uniform(k_perm, (N,)), 2.0))]
-    drawn = kept_rows[jax.random.randint(k_draw, (cap,), 0, jnp.maximum(n, 1))]
-    copies = jnp.where(n_adj - n <= n, shuffled[jnp.clip(i - n, 0, N - 1)], drawn)
-    adjusted = jnp.where(i < n, kept_rows[jnp.clip(i, 0, N - 1)], copies)  # [cap], n_adj real
+    if algo.batch_adjust_mode == "delete":
+        gone = jnp.zeros(N, bool).at[shuffled].set(jnp.arange(N) < n - n_adj)
+        left = jnp.argsort(~(keep & ~gone), stable=True)  # the rest, in row order
+        adjusted = left[jnp.clip(i, 0, N - 1)]  # [cap], n_adj real
+    else:
+        drawn = kept_rows[jax.random.randint(k_draw, (cap,), 0, jnp.maximum(n, 1))]
+        copies = jnp.where(n_adj - n <= n, shuffled[jnp.clip(i - n, 0, N - 1)], drawn)
+        adjusted = jnp.where(i < n, kept_rows[jnp.clip(i, 0, N - 1)], copies)  # n_adj real
 
     def epoch(kk):
         if not algo.shuffle_mini_batches:

@@ -204,6 +204,7 @@ BAD = {
     "algorithm.rollout_filter_selection_eps": ["x", "-0.01"],
     "algorithm.filter_loss_scaling": ["log"],
     "algorithm.soft_advantage_reweight": ["maybe"],
+    "algorithm.batch_adjust_mode": ["trim"],
     "algorithm.grpo_advantage_length_weight": ["maybe"],
     "algorithm.zero_task_advantage": ["maybe"],
     "algorithm.gigpo_step_advantage_w": ["x", "-1"],

@@ -679,35 +679,41 @@ def test_gigpo_prepare_uses_the_state_hashes(params, traj):
 
 
 # ----------------------------------------------------------------------------- RAGEN-2's batch
-def ragen2_adjusted_batch(kept_rows, groups, mini):
+def ragen2_adjusted_batch(kept_rows, groups, mini, mode="copy"):
     """RAGEN-2's agent_trainer after its filter, read as a loop: the batch is the kept rows
     alone; adjust_batch(mode="copy") appends n'-n copies of them (n' the next multiple of
     lcm(env_groups, ppo_mini_batch_size, 1 GPU)), drawn without replacement unless more copies
-    than rows are needed; verl then takes n' / mini mini-batches per epoch."""
+    than rows are needed; mode="delete" removes the remainder n % step (random rows); verl then
+    takes n' / mini mini-batches per epoch. Returns (n', copies (negative: deleted),
+    mini-batches an epoch)."""
     n = len(kept_rows)
-    step = np.lcm(groups, mini)
-    n_adj = -(-n // step) * step
+    step = int(np.lcm(groups, mini))
+    remainder = n % step
+    n_adj = n if remainder == 0 else (n - remainder if mode == "delete" else n + step - remainder)
     return n_adj, n_adj - n, n_adj // mini
 
 
+@pytest.mark.parametrize("mode", ["copy", "delete"])
 @pytest.mark.parametrize("kept_groups,group_size,mini,epochs", [
-    ((1, 4, 6), 4, 8, 2),  # 12 rows -> 16: 4 distinct copies, 2 mini-batches an epoch
-    ((3,), 2, 8, 1),  # 2 rows -> 8: 6 copies, drawn with replacement
+    ((1, 4, 6), 4, 8, 2),  # 12 rows -> 16: 4 distinct copies, 2 mini-batches an epoch (or 8)
+    ((3,), 2, 8, 1),  # 2 rows -> 8: 6 copies, drawn with replacement (or 0 rows)
     ((0, 1, 2, 3, 4, 5, 6, 7), 4, 8, 1),  # everything kept: no copies, 4 mini-batches
     ((), 4, 8, 2),  # nothing kept: no mini-batch is real
+    ((0, 2, 3, 5, 7), 4, 8, 2),  # 20 rows -> 24 (or 16: 4 random rows deleted)
 ])
-def test_kept_minibatch_order_is_ragen2s_adjusted_batch(kept_groups, group_size, mini, epochs):
+def test_kept_minibatch_order_is_ragen2s_adjusted_batch(kept_groups, group_size, mini, epochs,
+                                                        mode):
     G = 8
     keep = np.zeros(G * group_size, bool)
     for g in kept_groups:
         keep[g * group_size:(g + 1) * group_size] = True
     kept_rows = np.flatnonzero(keep)
     algo = RC.AlgoConfig(adv_estimator="grpo", group_size=group_size, ppo_mini_batch_size=mini,
-                         micro_batch_size=mini, ppo_epochs=epochs)
+                         micro_batch_size=mini, ppo_epochs=epochs, batch_adjust_mode=mode)
     order, real = jax.jit(UP.kept_minibatch_order, static_argnums=(0, 2))(
         algo, jnp.asarray(keep), G, jax.random.key(3))
     order, real = np.asarray(order), np.asarray(real)
-    n_adj, copies, per_epoch = ragen2_adjusted_batch(kept_rows, G, mini)
+    n_adj, copies, per_epoch = ragen2_adjusted_batch(kept_rows, G, mini, mode)
     slots = order.shape[0] // epochs
     assert order.shape == (epochs * slots, mini) and slots * mini >= keep.size
     assert real.tolist() == ([True] * per_epoch + [False] * (slots - per_epoch)) * epochs
@@ -716,7 +722,11 @@ def test_kept_minibatch_order_is_ragen2s_adjusted_batch(kept_groups, group_size,
         assert np.array_equal(rows, epoch_rows[0]) and len(rows) == n_adj
         assert set(rows) <= set(kept_rows)
         counts = np.bincount(rows, minlength=keep.size)[kept_rows]
-        assert counts.sum() == len(kept_rows) + copies and (counts >= 1).all()
+        assert counts.sum() == len(kept_rows) + copies
+        if copies >= 0:
+            assert (counts >= 1).all()  # every kept row, some twice
+        else:
+            assert counts.max() <= 1 and (counts == 0).sum() == -copies  # -copies rows gone
         if 0 < copies <= len(kept_rows):
             assert counts.max() <= 2  # without replacement
     if epochs > 1 and per_epoch > 1:  # a fresh permutation each epoch
