@@ -272,6 +272,12 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # tag this many validations in a row (RAGEN-2: 5)
         reward_std_stop_steps=0,
         low_success_stop_validations=0,
+        # RAGEN-2's gradient analysis (starpo/gradients.py): on step 1 and every this many
+        # steps after (RAGEN-2: 50), each loss term's gradient norm over buckets of kept groups
+        # by reward std, before the update; 0 = off (no cost)
+        gradient_analysis_every=0,
+        gradient_analysis_num_buckets=6,
+        gradient_analysis_bucket_mode="quantile",  # quantile | fixed_rv
         collapse_window=10,  # steps of history the collapse detector compares against
         # RAGEN-2's template-collapse diagnostic (starpo/collapse.py): every first reply's
         # reasoning scored under each of the batch's prompts, logged as collapse/*. Runs on the

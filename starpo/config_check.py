@@ -16,7 +16,7 @@ import dataclasses
 import math
 
 import envs
-from starpo import demos, evaluate, lora, model, run_config, sharding, weights
+from starpo import demos, evaluate, gradients, lora, model, run_config, sharding, weights
 from starpo import update as update_lib
 from starpo.precision import phase_dtypes
 from starpo.run_config import CONTEXT_WINDOW_MODES, ConfigError, check_rules, one_of, within
@@ -63,6 +63,9 @@ RULES = {
     "trainer.rollout_filter_empty_stop_steps": within(0, note="0 = never"),
     "trainer.reward_std_stop_steps": within(0, note="0 = never"),
     "trainer.low_success_stop_validations": within(0, note="0 = never"),
+    "trainer.gradient_analysis_every": within(0, note="0 = off"),
+    "trainer.gradient_analysis_num_buckets": within(1),
+    "trainer.gradient_analysis_bucket_mode": one_of(*gradients.BUCKET_MODES),
     "trainer.collapse_mi_freq": within(0, note="0 = off"),
     "trainer.collapse_mi_samples": within(1),
     "trainer.collapse_mi_micro_batch": within(1),

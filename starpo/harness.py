@@ -53,7 +53,9 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_c
                      "trainer.collapse_mi_warn", "mesh.heartbeat_timeout_s", "sft.test_freq",
                      "trainer.collapse_mi_multi_turn", "trainer.offload_state",
                      "sft.save_freq", "sft.demo_steps", "trainer.reward_std_stop_steps",
-                     "trainer.low_success_stop_validations")
+                     "trainer.low_success_stop_validations", "trainer.gradient_analysis_every",
+                     "trainer.gradient_analysis_num_buckets",
+                     "trainer.gradient_analysis_bucket_mode")
 # Keys added after runs were saved: a run saved without one had the default.
 ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
               "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
@@ -70,6 +72,8 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "algorithm.filter_loss_scaling": "none",
               "trainer.rollout_filter_empty_stop_steps": 0,
               "trainer.reward_std_stop_steps": 0, "trainer.low_success_stop_validations": 0,
+              "trainer.gradient_analysis_every": 0, "trainer.gradient_analysis_num_buckets": 6,
+              "trainer.gradient_analysis_bucket_mode": "quantile",
               "algorithm.rollout_filter_count": 1, "algorithm.rollout_filter_min_p": 0.0,
               "algorithm.rollout_filter_metric": "reward_variance",
               "algorithm.soft_advantage_reweight": False, "algorithm.batch_adjust_mode": "copy",

@@ -516,6 +516,9 @@ class TrainerSpec:
     collapse_mi_micro_batch: int
     collapse_mi_warn: float
     collapse_mi_multi_turn: bool
+    gradient_analysis_every: int  # RAGEN-2's gradient analysis (0 = off)
+    gradient_analysis_num_buckets: int
+    gradient_analysis_bucket_mode: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,7 +577,9 @@ def _trainer(t) -> TrainerSpec:
         t.get("rollout_filter_empty_stop_steps", 0), t.get("reward_std_stop_steps", 0),
         t.get("low_success_stop_validations", 0), t.collapse_window,
         t.get("collapse_mi_freq", 0), t.collapse_mi_samples, t.collapse_mi_micro_batch,
-        t.collapse_mi_warn, t.get("collapse_mi_multi_turn", False))
+        t.collapse_mi_warn, t.get("collapse_mi_multi_turn", False),
+        t.get("gradient_analysis_every", 0), t.get("gradient_analysis_num_buckets", 6),
+        t.get("gradient_analysis_bucket_mode", "quantile"))
 
 
 def read(config) -> RunSpec:

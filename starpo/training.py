@@ -29,7 +29,7 @@ import numpy as np
 
 from starpo import collapse as collapse_lib
 from starpo import config_check
-from starpo import evaluate
+from starpo import evaluate, gradients
 from starpo import experiment as experiment_lib
 from starpo import filtering, harness, memory
 from starpo import metrics as metrics_lib
@@ -92,7 +92,8 @@ def play_batch(exp: experiment_lib.Experiment, params, key, seed_counter: int):
 
 
 def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: int | None = None,
-               template=None, peaks: bool = False, contexts: UpdateContexts | None = None):
+               template=None, peaks: bool = False, contexts: UpdateContexts | None = None,
+               analysis=None):
     """One rollout -> update iteration. Returns (state, scalars); scalars["env/seed_counter"]
     is the level seed counter after it (by default the step's batch starts at
     step * env_groups, as it does unless dynamic sampling played more batches).
@@ -101,7 +102,9 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
     peaks: also memory/rollout_peak_gb and memory/update_peak_gb, the device's measured peak
     so far after each (read where the step waits for them anyway; none on CPU).
     contexts: the run's `UpdateContexts` (which context the update trains on, given what the
-    run has compiled); None: the batch's own bucket."""
+    run has compiled); None: the batch's own bucket.
+    analysis: a `gradients.GradientAnalysis` (trainer.gradient_analysis_every > 0): on its steps
+    RAGEN-2's gradient norms of the batch's reward-std buckets, before the update."""
     run = exp.run
     t0 = time.perf_counter()
     k_roll, k_update = step_keys(run.seed, step)
@@ -126,6 +129,12 @@ def train_step(exp: experiment_lib.Experiment, state, step: int, seed_counter: i
     # a KL term's reference is the policy the RL phase started from (the model, `init_from`'s
     # or the SFT phase's weights): exp.policy's, which a resumed run rebuilds as they were
     ref = exp.policy.params if exp.algo.uses_reference else None
+    if analysis is not None and analysis.due(step + 1):  # before the update donates the state
+        t_analysis = time.perf_counter()
+        state = offload(state, update_lib.DEVICE)
+        diagnostic.update(analysis(state, traj.truncate(trained), ref))
+        t_update = time.perf_counter()
+        diagnostic["timing/gradient_analysis"] = t_update - t_analysis
     state, um = exp.update(offload(state, update_lib.DEVICE), traj.truncate(trained), k_update,
                            ref)
     um = sharding.to_host(um)
@@ -246,6 +255,18 @@ def template_collapse(run: run_config.RunSpec, exp: experiment_lib.Experiment):
 
 
 
+def gradient_analysis(run: run_config.RunSpec, exp: experiment_lib.Experiment):
+    """RAGEN-2's gradient analysis of a run (starpo/gradients.py), or None when
+    `trainer.gradient_analysis_every` is 0 (nothing built, nothing run)."""
+    t = run.trainer
+    if t.gradient_analysis_every <= 0:
+        return None
+    return gradients.GradientAnalysis(
+        exp.algo, exp.policy.cfg.replace(dtype=exp.run.model.dtypes["update"]), exp.critic_cfg,
+        every=t.gradient_analysis_every, count=t.gradient_analysis_num_buckets,
+        mode=t.gradient_analysis_bucket_mode)
+
+
 # ----------------------------------------------------------------------------- the run
 def train(config, workdir: str, *, progress: bool = True, stop_after: int | None = None,
           experiment: experiment_lib.Experiment | None = None, log=metrics_lib.say) -> dict:
@@ -329,6 +350,7 @@ class _Loop:
         self.writer = None
         self.empty = 0  # steps in a row whose rollout filter kept no group
         self.template, self.template_state = None, None  # the diagnostic and its resumed EMA
+        self.analysis = None  # RAGEN-2's gradient analysis (trainer.gradient_analysis_every)
 
     def run(self, resuming, t_build, progress, stop_after) -> dict:
         """The run from its start or its latest checkpoint; returns the last logged scalars."""
@@ -347,6 +369,7 @@ class _Loop:
                 self.log(metrics_lib.summary_line(0, total, last, self._keys()))
             bar = metrics_lib.Progress(self.start, total, "train", show=progress, log=self.log)
             self.template = self._template()
+            self.analysis = gradient_analysis(self.run_spec, self.exp)
             done_here, n, stoppers = 0, self.start, []
             for step in bar:
                 n, last, warned_stop = self._step(step, self.template, bar.write)
@@ -417,7 +440,8 @@ class _Loop:
         first = "train" in self.unmeasured
         self.unmeasured.discard("train")
         self.state, scalars = train_step(self.exp, self.state, step, self.counter, template,
-                                         peaks=first, contexts=self.contexts)
+                                         peaks=first, contexts=self.contexts,
+                                         analysis=self.analysis)
         if first:
             harness.measured_peaks(scalars, self.planned, say)
         self.counter = int(scalars["env/seed_counter"])

@@ -239,6 +239,9 @@ class Batch:
     # (of `segments` rows) and each row's tokens see their own row alone
     rotary: jax.Array | None = None
     segments: int = struct.field(pytree_node=False, default=0)
+    # f32[N]: the in-group std of each row's group's normalised scores, what the filter ranks
+    # by (RAGEN-2's `reward_std`; the gradient analysis buckets by it)
+    group_std: jax.Array | None = None
 
 
 def turn_window(algo: AlgoConfig, turns=None):
@@ -739,6 +742,8 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
                       ref_logprobs=ref_logp, old_values=values, advantages=advantages,
                       returns=returns, turns=rows[2] if algo.context_window else None,
                       keep=keep if algo.masks_rows else None,
+                      group_std=jnp.repeat(filtering.in_group_std(normalised, algo.group_size),
+                                           algo.group_size),
                       positions=positions)
         return batch, metrics
 
@@ -747,10 +752,12 @@ def make_prepare(algo: AlgoConfig, actor_cfg: ModelConfig, critic_cfg: ModelConf
 
 # ----------------------------------------------------------------------------- gradients
 def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_tokens,
-                num_seqs, share: int = 1):
+                num_seqs, share: int = 1, component: str = "total"):
     """(loss, stats) of the clipped policy loss with the entropy bonus (and KL loss) on one
     micro-batch; `num_tokens` / `num_seqs` count the whole mini-batch; `share`: its rows'
-    groups packed once (`loss_share`)."""
+    groups packed once (`loss_share`). component: the loss is one of its terms alone, `task`
+    (the policy loss), `entropy` (-entropy_coeff x the entropy) or `kl` (kl_loss_coef x the KL
+    loss): RAGEN-2's gradient analysis (starpo/gradients.py)."""
     logp, entropy = token_logprobs(params, actor_cfg, m.tokens, m.valid,
                                    algo.logit_chunk_size, algo.temperature,
                                    batch_window(algo, m), m.positions, share, m.rotary)
@@ -770,12 +777,14 @@ def _actor_loss(algo: AlgoConfig, actor_cfg: ModelConfig, params, m: Batch, num_
     stats = {"actor/pg_loss": pg_loss, "actor/pg_clipfrac": token_mean(clipped),
              "actor/pg_clipfrac_lower": token_mean(lower),
              "actor/ppo_kl": token_mean(-log_ratio), "actor/entropy": token_mean(entropy)}
+    terms = {"task": pg_loss, "entropy": -algo.entropy_coeff * entropy_loss}
     if algo.use_kl_loss:
         kl_loss = agg(losses.kl_estimate(logp, m.ref_logprobs, algo.kl_loss_type))
         loss = loss + algo.kl_loss_coef * kl_loss
         stats["actor/kl_loss"] = kl_loss
+        terms["kl"] = algo.kl_loss_coef * kl_loss
     stats["actor/loss"] = loss
-    return loss, stats
+    return (loss if component == "total" else terms[component]), stats
 
 
 def _critic_loss(algo: AlgoConfig, critic_cfg: ModelConfig, params, m: Batch, num_tokens,

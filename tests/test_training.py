@@ -265,6 +265,33 @@ def test_template_collapse_metrics_are_logged_on_ragen2s_steps(bandit_run, tmp_p
         rows[1]["collapse/marginal_std_ema"], rel=1e-6)
 
 
+def test_gradient_analysis_is_logged_on_ragen2s_steps(bandit_run, tmp_path):
+    """trainer.gradient_analysis_every=2: RAGEN-2's gradient norms on steps 1 and 3 (1, then
+    every 2nd after it), not on 2; the default (0) builds nothing. The `all` bucket holds every
+    kept row, the buckets split them, and only the loss terms the config has are measured."""
+    config, exp = bandit_run
+    assert training.gradient_analysis(run_config.read(config), exp) is None
+    config = with_changes(config, trainer__total_steps=3, trainer__gradient_analysis_every=2,
+                          trainer__gradient_analysis_num_buckets=2, val__before_train=False,
+                          val__test_freq=0)
+    training.train(config, str(tmp_path / "run"), progress=False, experiment=exp,
+                   log=lambda *a: None)
+    rows = metrics.read_jsonl(os.path.join(str(tmp_path / "run"), "metrics.jsonl"))
+    assert [r["step"] for r in rows if "grad_norm/all/task" in r] == [1, 3]
+    kept = config.rollout.env_groups * config.rollout.group_size
+    for r in (rows[0], rows[2]):
+        assert r["grad_norm/all/sample_count"] == kept and r["timing/gradient_analysis"] > 0
+        buckets = [k for k in r if k.startswith("grad_norm/bucket_") and
+                   k.endswith("/sample_count")]
+        assert sum(r[k] for k in buckets) == kept and len(buckets) <= 2
+        # the tiny Bandit has no entropy bonus and no KL loss: the task term alone
+        assert r["actor/grad_norm/task"] == r["grad_norm/all/task"] >= 0
+        assert not any(k.endswith(("/entropy", "/kl")) for k in r if k.startswith("grad_norm/"))
+    # step 1's groups all scored alike (no GRPO advantage, no task gradient); step 3's did not
+    assert rows[0]["rollout/in_group_std"] < 1e-6 and rows[0]["grad_norm/all/task"] < 1e-6
+    assert rows[2]["rollout/in_group_std"] > 0 and rows[2]["grad_norm/all/task"] > 1e-3
+
+
 def test_redirected_output_has_each_step_and_warning_on_a_line_of_its_own(
         bandit_run, tmp_path, capfd, monkeypatch):
     """A run asked for its progress bar (the launchers' default) whose stdout and stderr are
