@@ -165,22 +165,40 @@ def filter_rows(score: jax.Array, group_size: int, ratio: float, filter_type: st
         raise ValueError(f"batch {B} is not a multiple of group_size {group_size}")
     G = B // group_size
     K = top_k_count(G, ratio, strategy, count)
-    std = in_group_std(score, group_size)
     rank = group_scores(score if rank_by is None else rank_by, group_size, metric, lengths)
     if K == G:  # nothing to drop: skip the gather entirely
         groups = jnp.arange(G, dtype=jnp.int32)
     else:
         groups = select_groups(rank, K, filter_type)
     rows = (groups[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
+    kept = jnp.zeros(G, bool).at[groups].set(True)
     metrics = {
-        "rollout/in_group_std": std.mean(),
-        "rollout/chosen_in_group_std": std[groups].mean(),
         "rollout/kept_groups": jnp.float32(K),
         "rollout/batch_std": jnp.std(score, ddof=1) if B > 1 else jnp.float32(0.0),
-        "rollout/filter_kept_ratio": jnp.float32(K / G),
         "rollout/filter_zero_count": zero_std_count(rank),
+        **group_metrics(score, group_size, kept),
     }
     return rows.astype(jnp.int32), metrics
+
+
+def group_metrics(score: jax.Array, group_size: int, kept: jax.Array) -> dict:
+    """RAGEN-2's per-group statistics of the rewards score f32[B], over all groups and over the
+    kept ones (kept bool[G]; 0 where none is kept): `rollout/in_group_std` / `_max` / `_mean`
+    (and its `in_group_reward_*` copies of the first three, with `_sum`), the `chosen_` ones,
+    and `rollout/filter_kept_count` / `_ratio`."""
+    groups = score.reshape(-1, group_size)
+    n = kept.sum().astype(jnp.float32)
+    stats = {"std": in_group_std(score, group_size), "max": groups.max(axis=1),
+             "mean": groups.mean(axis=1), "sum": groups.sum(axis=1)}
+    out = {"rollout/filter_kept_count": n, "rollout/filter_kept_ratio": n / kept.shape[0]}
+    for name, x in stats.items():
+        chosen = jnp.where(kept, x, 0.0).sum() / jnp.maximum(n, 1.0)
+        out[f"rollout/in_group_reward_{name}"] = x.mean()
+        out[f"rollout/chosen_in_group_reward_{name}"] = chosen
+        if name != "sum":
+            out[f"rollout/in_group_{name}"] = x.mean()
+            out[f"rollout/chosen_in_group_{name}"] = chosen
+    return out
 
 
 def top_p_groups(std: jax.Array, top_p: float, filter_type: str, prob_mode: str = "linear",
@@ -277,7 +295,6 @@ def masked_rows(score: jax.Array, group_size: int, top_p: float, filter_type: st
     if B % group_size:
         raise ValueError(f"batch {B} is not a multiple of group_size {group_size}")
     G = B // group_size
-    std = in_group_std(score, group_size)
     rank = group_scores(score if rank_by is None else rank_by, group_size, metric, lengths)
     if strategy == "min_p":
         kept = min_p_groups(rank, min_p, filter_type, include_zero)
@@ -286,13 +303,10 @@ def masked_rows(score: jax.Array, group_size: int, top_p: float, filter_type: st
     else:
         kept = top_k_groups(rank, top_k_count(G, ratio, strategy, count), filter_type,
                             include_zero)
-    n = kept.sum().astype(jnp.float32)
     metrics = {
-        "rollout/in_group_std": std.mean(),
-        "rollout/chosen_in_group_std": jnp.where(kept, std, 0.0).sum() / jnp.maximum(n, 1.0),
-        "rollout/kept_groups": n,
+        "rollout/kept_groups": kept.sum().astype(jnp.float32),
         "rollout/batch_std": jnp.std(score, ddof=1) if B > 1 else jnp.float32(0.0),
-        "rollout/filter_kept_ratio": n / G,
         "rollout/filter_zero_count": zero_std_count(rank),
+        **group_metrics(score, group_size, kept),
     }
     return jnp.repeat(kept, group_size), metrics

@@ -87,6 +87,13 @@ def test_top_p_rows_and_metrics():
     assert float(m["rollout/in_group_std"]) == pytest.approx(std.mean(), rel=1e-5)
     assert float(m["rollout/chosen_in_group_std"]) == pytest.approx(std[[1, 2]].mean(),
                                                                      rel=1e-5)
+    # RAGEN-2's other per-group figures, over all groups and the kept ones
+    for name, x in (("max", score.max(axis=1)), ("mean", score.mean(axis=1))):
+        assert float(m[f"rollout/in_group_{name}"]) == pytest.approx(x.mean())
+        assert float(m[f"rollout/chosen_in_group_{name}"]) == pytest.approx(x[[1, 2]].mean())
+    assert float(m["rollout/in_group_reward_sum"]) == pytest.approx(score.sum(axis=1).mean())
+    assert float(m["rollout/in_group_reward_std"]) == float(m["rollout/in_group_std"])
+    assert float(m["rollout/filter_kept_count"]) == 2
     keep, m = F.masked_rows(jnp.zeros(8), 4, 0.9, "std")
     assert not np.asarray(keep).any() and float(m["rollout/chosen_in_group_std"]) == 0
 

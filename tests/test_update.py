@@ -245,6 +245,10 @@ def test_critic_warmup_then_actor_updates(params, traj, ppo_update):
     expected = {
         "rollout/in_group_std", "rollout/chosen_in_group_std", "rollout/kept_groups",
         "rollout/batch_std", "rollout/filter_kept_ratio", "rollout/filter_zero_count",
+        "rollout/filter_kept_count", "rollout/in_group_max", "rollout/in_group_mean",
+        "rollout/chosen_in_group_max", "rollout/chosen_in_group_mean",
+        *(f"rollout/{c}in_group_reward_{s}" for c in ("", "chosen_")
+          for s in ("std", "max", "mean", "sum")),
         "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
         "actor/entropy", "actor/loss", "actor/grad_norm", "actor/lr",
         "actor/sampler_logprob_gap", "actor/sampler_logprob_abs_gap",
