@@ -245,6 +245,11 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         env_groups=32,  # levels per step, each played once by the solver
         lr=1e-5,  # AdamW (the algorithm's clipping, betas and weight decay), constant after
         warmup_steps=0,  # ... a linear warm-up over this many steps
+        # or, over lr_decay_steps steps after the warm-up, a cosine decay to min_lr_ratio x lr
+        # (0 = constant; on the slippery lake a lower rate after 200 steps lifted success:
+        # docs/results.md, "Supervised warm start")
+        lr_decay_steps=0,
+        min_lr_ratio=0.0,
         # moves per demonstration reply (0 = the turn's action budget: on the slippery lake
         # the sequence that succeeds most often with the turns and moves left, re-planned
         # each turn where it slid)

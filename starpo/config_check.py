@@ -75,6 +75,8 @@ RULES = {
     "sft.env_groups": within(1),
     "sft.lr": within(0, lo_open=True),
     "sft.warmup_steps": within(0),
+    "sft.lr_decay_steps": within(0, note="0 = constant"),
+    "sft.min_lr_ratio": within(0, 1),
     "sft.actions_per_turn": within(0, note="0 = the turn's action budget"),
     "sft.test_freq": within(0, note="0 = never"),
     "sft.save_freq": within(0, note="0 = only at the end"),

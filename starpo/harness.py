@@ -63,7 +63,7 @@ ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ra
               "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
               "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
               "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10,
-              "sft.demo_steps": 16,
+              "sft.demo_steps": 16, "sft.lr_decay_steps": 0, "sft.min_lr_ratio": 0.0,
               "model.init_from": "",
               "rollout.context_window_mode": "full", "rollout.max_context_window": -1,
               "trainer.collapse_mi_freq": 0, "trainer.collapse_mi_samples": 64,

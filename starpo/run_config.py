@@ -300,13 +300,15 @@ def _algo(config, window: int) -> AlgoConfig:
 
 
 def sft_algo(config) -> AlgoConfig:
-    """The run's algorithm knobs with SFT's learning rate and warm-up (no critic, no decay)."""
+    """The run's algorithm knobs with SFT's learning rate, warm-up and decay (no critic)."""
     return _sft_algo(algo_config(config), config.sft)
 
 
 def _sft_algo(algo: AlgoConfig, s) -> AlgoConfig:
     return algo.replace(adv_estimator="grpo", actor_lr=float(s.lr),
-                        warmup_steps=int(s.warmup_steps), lr_decay_steps=0)
+                        warmup_steps=int(s.warmup_steps),
+                        lr_decay_steps=int(s.get("lr_decay_steps", 0)),
+                        min_lr_ratio=float(s.get("min_lr_ratio", 0.0)))
 
 
 # ----------------------------------------------------------------------------- the rollout

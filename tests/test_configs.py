@@ -254,6 +254,8 @@ BAD = {
     "sft.env_groups": ["x", "0"],
     "sft.lr": ["x", "0", "nan"],
     "sft.warmup_steps": ["x", "-1"],
+    "sft.lr_decay_steps": ["x", "-1"],
+    "sft.min_lr_ratio": ["x", "-0.1", "1.5"],
     "sft.actions_per_turn": ["x", "-1"],
     "sft.test_freq": ["x", "-1"],
     "sft.save_freq": ["x", "-1"],

@@ -9,6 +9,7 @@ run after it starts from its weights.
 """
 
 import collections
+import math
 import os
 
 import jax
@@ -21,6 +22,7 @@ from configs import frozenlake, sokoban, sudoku
 from starpo import checkpoint, config_check, demos, experiment, harness, metrics, rollout
 from starpo import run_config, sft, training
 from starpo import model as model_lib
+from starpo import update as update_lib
 from tests.test_training import with_changes
 
 LAKE_MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
@@ -227,6 +229,23 @@ def test_sft_learns_resumes_and_hands_over_to_rl(lake, tmp_path, capfd):
     got = experiment.load_policy(later).params
     want = checkpoint.load_params(os.path.join(straight, "checkpoints"), 24)
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
+
+
+def test_sft_learning_rate_warms_up_then_decays_when_asked(lake):
+    """sft.lr_decay_steps: the SFT phase's AdamW rate warms up over sft.warmup_steps, then
+    falls along a cosine to sft.min_lr_ratio x sft.lr over that many steps (one AdamW step an
+    SFT step); RL's schedule stays the algorithm's. Off (0), it is constant after the warm-up."""
+    config, _ = lake
+    on = with_changes(config, sft__lr=1e-3, sft__warmup_steps=2, sft__lr_decay_steps=8,
+                      sft__min_lr_ratio=0.1, algorithm__lr_decay_steps=0)
+    run = run_config.read(on)
+    f = update_lib.algo_lr_schedule(run.sft.algo.actor_lr, run.sft.algo)
+    want = [5e-4, 1e-3, 1e-3, 1e-3 * (0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2), 1e-4, 1e-4]
+    np.testing.assert_allclose([float(f(c)) for c in (0, 1, 2, 4, 10, 30)], want, rtol=1e-6)
+    assert run.algo.lr_decay_steps == 0  # RL's own
+    off = run_config.read(with_changes(config, sft__lr=1e-3, sft__warmup_steps=2)).sft.algo
+    g = update_lib.algo_lr_schedule(off.actor_lr, off)
+    np.testing.assert_allclose([float(g(c)) for c in (2, 100)], [1e-3, 1e-3], rtol=1e-6)
 
 
 def test_bad_sft_configs_fail_at_start(lake, tmp_path):
