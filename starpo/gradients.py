@@ -60,15 +60,21 @@ def group_buckets(std: jax.Array, kept: jax.Array, count: int, mode: str = "quan
     return jnp.where(kept, bucket, -1).astype(jnp.int32), count
 
 
-def make_analysis(algo, actor_cfg, count: int = 6, mode: str = "quantile"):
-    """jitted analyse(actor_params, batch: update.Batch) -> dict of arrays: per bucket (`all`
-    first) the mean gradient norm and loss of each component over its mini-batches, its row
-    and token counts and its reward stds. `batch` is `update.make_prepare`'s."""
-    components = ["task"] + (["entropy"] if algo.entropy_coeff != 0 else []) + (
+def components(algo) -> list[str]:
+    """The loss terms a config has, as RAGEN-2 measures them: task, then entropy where the
+    coefficient is not 0, then kl with the KL loss."""
+    return ["task"] + (["entropy"] if algo.entropy_coeff != 0 else []) + (
         ["kl"] if algo.use_kl_loss else [])
+
+
+def make_analysis(algo, actor_cfg, count: int = 6, mode: str = "quantile",
+                  compiler_options=None):
+    """jitted analyse(actor_params, batch: update.Batch) -> dict of arrays: per bucket (`all`
+    first) the mean gradient norm and loss of each of `components(algo)` over its mini-batches,
+    its row and token counts and its reward stds. `batch` is `update.make_prepare`'s."""
     vgs = {c: lora.value_and_grad(functools.partial(update_lib._actor_loss, algo, actor_cfg,
                                                     component=c), has_aux=True)
-           for c in components}
+           for c in components(algo)}
 
     def chunk(params, mb):
         """Every component's (gradient norm, loss) of one mini-batch, summed over micro-batches
@@ -86,7 +92,7 @@ def make_analysis(algo, actor_cfg, count: int = 6, mode: str = "quantile"):
             out[c] = (optax.global_norm(g), loss)
         return out
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def analyse(params, batch):
         N = batch.tokens.shape[0]
         G = N // algo.group_size
@@ -127,7 +133,6 @@ def make_analysis(algo, actor_cfg, count: int = 6, mode: str = "quantile"):
 
         return jax.lax.map(one, jnp.arange(n_buckets + 1))
 
-    analyse.components = components
     return analyse
 
 
@@ -168,14 +173,16 @@ class GradientAnalysis:
     batch, prepared as the update prepares it, with the params that sampled it."""
 
     def __init__(self, algo, actor_cfg, critic_cfg=None, *, every: int, count: int = 6,
-                 mode: str = "quantile"):
-        self.every = every
-        self.prepare = jax.jit(update_lib.make_prepare(algo, actor_cfg, critic_cfg))
-        self.analyse = make_analysis(algo, actor_cfg, count, mode)
+                 mode: str = "quantile", compiler_options=None):
+        self.every, self.terms = every, components(algo)
+        # compiled as the update's programs are (`trainer.fast_compile`)
+        self.prepare = jax.jit(update_lib.make_prepare(algo, actor_cfg, critic_cfg),
+                               compiler_options=compiler_options)
+        self.analyse = make_analysis(algo, actor_cfg, count, mode, compiler_options)
 
     def due(self, n: int) -> bool:
         return self.every > 0 and (n - 1) % self.every == 0
 
     def __call__(self, state, traj, ref_params=None) -> dict:
         batch, _ = self.prepare(state, traj, ref_params)
-        return scalars(self.analyse(state.actor_params, batch), self.analyse.components)
+        return scalars(self.analyse(state.actor_params, batch), self.terms)

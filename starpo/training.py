@@ -264,7 +264,7 @@ def gradient_analysis(run: run_config.RunSpec, exp: experiment_lib.Experiment):
     return gradients.GradientAnalysis(
         exp.algo, exp.policy.cfg.replace(dtype=exp.run.model.dtypes["update"]), exp.critic_cfg,
         every=t.gradient_analysis_every, count=t.gradient_analysis_num_buckets,
-        mode=t.gradient_analysis_bucket_mode)
+        mode=t.gradient_analysis_bucket_mode, compiler_options=exp.compiler_options)
 
 
 # ----------------------------------------------------------------------------- the run
