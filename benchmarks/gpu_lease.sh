@@ -12,14 +12,18 @@
 # run      joins the model, checks it against .dev/gguf.sha256 and puts it where the embedded
 #          model is looked for (`weights.cache_dir()`), so runs, evaluations and tests find
 #          SmolLM2 without network; then starts, in the background, the test suite on the GPU
-#          (LEASE_TESTS=0: not; it shares the GPU, so leave it off where the jobs time anything)
-#          and the jobs, one after another (LEASE_JOBS: a file of commands, one a line, `#`
-#          comments; default benchmarks/gpu_jobs.txt); then waits like collect.
+#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 6, each with 0.05 of the
+#          GPU's memory; `-v`, so each test's name and outcome is logged as it ends) and the
+#          job lanes side by side, each lane's commands one after another (LEASE_JOBS: files of
+#          commands, one a line, `#` comments, one lane a file; default benchmarks/gpu_jobs.txt
+#          and benchmarks/gpu_jobs_speed.txt; each job with XLA_PYTHON_CLIENT_MEM_FRACTION
+#          LEASE_JOB_MEM, default 0.3, unless its line sets another); then waits like collect.
 # collect  waits up to WAIT_S seconds (default 0) or until the jobs and tests are done, then
 #          writes $OUT/lease.tgz: every log, evaluation, metrics file and config under /tmp/lease
 #          (no checkpoints), and prints the jobs' progress.
 # The jobs and the tests run in sessions of their own (setsid), so they outlive the call that
-# started them; job N's output is /tmp/lease/job<N>.log, the tests' /tmp/lease/tests.log.
+# started them; lane K's job N's output is /tmp/lease/lane<K>_job<N>.log, its progress
+# /tmp/lease/lane<K>.log, the tests' /tmp/lease/tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 L=/tmp/lease
@@ -38,8 +42,15 @@ collect() {
   local wait_s=${1:-0} t0
   t0=$(date +%s)
   while [ -n "$(running)" ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done
-  [ -f "$L/jobs.log" ] && tail -n 20 "$L/jobs.log"
-  [ -f "$L/tests.log" ] && grep -E '^(FAILED|ERROR)|passed|failed' "$L/tests.log" | tail -n 12
+  for f in "$L"/lane*.log; do
+    case "$f" in *_job*) continue ;; esac
+    [ -f "$f" ] && echo "== $(basename "$f")" && tail -n 12 "$f"
+  done
+  if [ -f "$L/tests.log" ]; then
+    echo "== tests: $(grep -c ' PASSED ' "$L/tests.log") passed, $(grep -c -E ' (FAILED|ERROR) ' \
+      "$L/tests.log") failed or errors so far"
+    grep -E ' (FAILED|ERROR) |^(FAILED|ERROR)|[0-9]+ passed' "$L/tests.log" | tail -n 20
+  fi
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
   if [ -n "${OUT:-}" ]; then
     (cd "$L" && find . \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' -o -name '*.txt' \) \
@@ -62,26 +73,33 @@ case "${1:-}" in
     cache=$(python -c "from starpo import weights; print(weights.cache_dir())") || exit 1
     mkdir -p "$cache/smollm2-135m-instruct" &&
       cp /tmp/smollm2.gguf "$cache/smollm2-135m-instruct/model.gguf" || exit 1
-    jobs=${LEASE_JOBS:-benchmarks/gpu_jobs.txt}
-    grep -v -e '^\s*#' -e '^\s*$' "$jobs" > "$L/jobs.txt" || exit 1
+    lanes=${LEASE_JOBS:-benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_speed.txt}
+    for f in $lanes; do [ -f "$f" ] || { echo "error: no jobs file $f" >&2; exit 1; }; done
     if [ "${LEASE_TESTS:-1}" != 0 ]; then
-      # the README's command (pytest.ini: up to four workers), each worker beside the jobs
-      # with a small share of the GPU's memory
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 setsid nohup python -m pytest -q -p no:cacheprovider \
-        > "$L/tests.log" 2>&1 < /dev/null &
+      # the README's command, more workers (16 CPUs), each beside the jobs with a small share
+      # of the GPU's memory
+      w=${LEASE_TEST_WORKERS:-6}
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.05 setsid nohup python -m pytest -v -p no:cacheprovider \
+        -n "$w" --maxprocesses="$w" > "$L/tests.log" 2>&1 < /dev/null &
       echo $! > "$L/tests.pid"
-      echo "tests started (log: $L/tests.log)"
+      echo "tests started, $w workers (log: $L/tests.log)"
     fi
-    setsid nohup bash -c '
-      n=0
-      while IFS= read -r cmd; do
-        n=$((n + 1)); t=$(date +%s)
-        echo "[$(date +%T)] job $n: $cmd"
-        bash -c "$cmd" > "'"$L"'/job$n.log" 2>&1 < /dev/null; rc=$?
-        echo "[$(date +%T)] job $n: exit $rc after $(( $(date +%s) - t )) s"
-      done < "'"$L"'/jobs.txt"' > "$L/jobs.log" 2>&1 < /dev/null &
-    echo $! > "$L/jobs.pid"
-    echo "jobs started: $(wc -l < "$L/jobs.txt") (log: $L/jobs.log)"
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_JOB_MEM:-0.3}
+    k=0
+    for f in $lanes; do
+      k=$((k + 1))
+      grep -v -e '^\s*#' -e '^\s*$' "$f" > "$L/lane$k.txt"
+      setsid nohup bash -c '
+        L=$1; k=$2; n=0
+        while IFS= read -r cmd; do
+          n=$((n + 1)); t=$(date +%s)
+          echo "[$(date +%T)] job $n: $cmd"
+          bash -c "$cmd" > "$L/lane${k}_job$n.log" 2>&1 < /dev/null; rc=$?
+          echo "[$(date +%T)] job $n: exit $rc after $(( $(date +%s) - t )) s"
+        done < "$L/lane$k.txt"' lane "$L" "$k" > "$L/lane$k.log" 2>&1 < /dev/null &
+      echo $! > "$L/lane$k.pid"
+      echo "lane $k started: $(wc -l < "$L/lane$k.txt") jobs from $f (log: $L/lane$k.log)"
+    done
     collect "${2:-0}"
     ;;
   collect)
