@@ -280,8 +280,9 @@ def main():
             result["matmul_share"] = round(prof["by_kind"].get("matmul", 0.0)
                                            / prof["busy_s"], 3)
     if setup["peak_gflops"]:
-        result["mfu"] = round(result["tokens_per_s"] * flops_per_token / 1e9
-                              / setup["peak_gflops"], 3)
+        # three significant figures: a tiny model on a large GPU is far below 0.001
+        mfu = result["tokens_per_s"] * flops_per_token / 1e9 / setup["peak_gflops"]
+        result["mfu"] = float(f"{mfu:.3g}")
     if a.lora_rank:  # the same step training adapters only, in its own process
         lo = run_worker("jax", argv + [f"--lora_rank={a.lora_rank}",
                                        f"--lora_alpha={a.lora_alpha}",

@@ -420,10 +420,11 @@ def gpu(c: ml_collections.ConfigDict) -> None:
     the solver's demonstrations (starpo/sft.py), then StarPO-S RL from its weights, one env's
     whole run a few minutes. Timed on one H100 for FrozenLake (docs/results.md, "SmolLM2 on a
     GPU"): an SFT step of 32 demonstrations 0.24 s, an RL step 0.7-1.0 s, each validation of
-    2 x 256 levels 1.7 s once compiled; 500 SFT steps brought the slippery lake to the
-    one-move-a-turn solver's success (its demonstrations now play up to 5 moves a turn: not yet
-    run), the non-slippery one to 0.90 (three seeds) and SimpleSokoban to 0.895 (solver
-    0.996), and 20-84 RL steps after them
+    2 x 256 levels 1.7 s once compiled; 500 SFT steps brought the slippery lake to 0.42-0.44
+    with demonstrations that play the env's budget of 5 moves a turn and the rate decayed
+    (configs/frozenlake.py; one H200, two seeds; 0.94
+    of that budget's ceiling after 100 RL steps, one seed), the non-slippery one to 0.90 (three
+    seeds) and SimpleSokoban to 0.895 (solver 0.996), and 20-84 RL steps after the last two
     at these rates held each but moved nothing beyond the noise
     (one on-policy Adam step a batch at lr 1e-5 on a near-deterministic policy, close to the
     solver's success; on a tiny model the same regime lifts a weaker warm start by +0.15 and

@@ -56,6 +56,31 @@ def _jaxlib_version() -> tuple:
 if ((0, 10) <= _jaxlib_version() < (0, 11)
         and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU_COMPILE}".strip()
+# XLA:GPU may add in a different order run to run (atomics in scatters, such as an embedding's
+# gradient, and in some reductions), so one program run twice can differ in its last bits and
+# a sampled token then differ too. Tests that resume a run and compare it with a straight one,
+# or train with the state offloaded against without, mean bit-equal programs, so the suite asks
+# XLA for its deterministic GPU kernels (a user who wants that too sets the same flag; it
+# changes nothing on a CPU). Known to the XLA of every jaxlib from 0.7 to 0.10; a newer one is
+# asked first (an XLA_FLAGS entry an XLA does not know aborts the process), once per run.
+DETERMINISTIC_GPU = "--xla_gpu_exclude_nondeterministic_ops=true"
+
+
+def _xla_knows(flag: str) -> bool:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           capture_output=True, timeout=300)
+    return probe.returncode == 0
+
+
+if ("xla_gpu_exclude_nondeterministic_ops" not in os.environ.get("XLA_FLAGS", "")
+        and not os.environ.get("STARPO_TEST_XLA_PROBED")):
+    os.environ["STARPO_TEST_XLA_PROBED"] = "1"  # the workers inherit the answer
+    if (0, 7) <= _jaxlib_version() < (0, 11) or _xla_knows(DETERMINISTIC_GPU):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_GPU}".strip()
 # One persistent compilation cache for the run, in a fresh directory: the controller makes it
 # before pytest-xdist starts its workers, which inherit the variable (so do the subprocesses the
 # tests start, `starpo.harness.enable_compilation_cache` included). A program compiled by one
@@ -149,6 +174,16 @@ SLOW_FILES_FIRST = ("test_training_frozenlake.py", "test_training.py", "test_sha
                     "test_sft.py", "test_context_window.py", "test_solvers.py",
                     "test_chunks.py", "test_smollm2.py", "test_rollout_mixed.py",
                     "test_sampler.py", "test_model.py", "test_rollout_context.py")
+
+
+def pytest_runtest_logreport(report):
+    """With STARPO_TEST_FAILURES=FILE, each failure's report is appended to FILE as it happens
+    (pytest-xdist prints them only at the end, which a run cut off by a time limit, a GPU lease's
+    say, never reaches)."""
+    path = os.environ.get("STARPO_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
 
 
 def pytest_collection_modifyitems(config, items):

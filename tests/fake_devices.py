@@ -56,7 +56,9 @@ def env(n: int = 8) -> dict:
     flags = " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])
     if _xla_knows(LATE_LIMIT_FLAG):
         flags += " " + LATE_LIMIT_FLAG
-    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+    # the repository first, the caller's path kept (packages installed with --target, say)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=path,
                 PJRT_NPROC=os.environ.get("PJRT_NPROC", PJRT_NPROC_FAKE))
 
 

@@ -35,8 +35,12 @@ def test_paper_defaults():
 
 def test_phase_dtypes(monkeypatch):
     """"auto" on CPU: float32 decoding; bfloat16 prefill and update only where the CPU
-    multiplies bfloat16 natively; any other value everywhere."""
+    multiplies bfloat16 natively; on a GPU or TPU bfloat16 in every phase; any other value
+    everywhere. (The backend is set here, so the test asks the same on any machine.)"""
     c = frozenlake.get_config("cpu")
+    monkeypatch.setattr(precision.jax, "default_backend", lambda: "gpu")
+    assert set(precision.phase_dtypes(c).values()) == {"bfloat16"}
+    monkeypatch.setattr(precision.jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
     assert precision.phase_dtypes(c) == dict(decode="float32", prefill="bfloat16",
                                             update="bfloat16")

@@ -208,7 +208,7 @@ def test_a_reproduction_resumes_where_it_stopped(tmp_path, capsys):
     assert "error: train.py exited with status 75" in capsys.readouterr().err
 
 
-def test_seeds_run_side_by_side_each_in_order(tmp_path, capsys):
+def test_seeds_run_side_by_side_each_in_order(tmp_path, capsys, monkeypatch):
     """--parallel=2 with two seeds: each seed's commands (SFT, its evaluation, RL from it, its
     evaluation) in plan order, the two seeds at once (each first command waits for the other's
     at a barrier, which a one-after-another run never reaches), each process with half of 0.9
@@ -216,6 +216,8 @@ def test_seeds_run_side_by_side_each_in_order(tmp_path, capsys):
     commands only, and the reproduction then exits with its status."""
     import threading
 
+    # the share each seed gets when the user set none (a user's own setting is kept)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     w, ran, lock = str(tmp_path), [], threading.Lock()
     barrier = threading.Barrier(2, timeout=20)
     first = set()
