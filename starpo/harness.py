@@ -304,7 +304,7 @@ def log_start(exp, build_s: float, log) -> None:
 def measured_peaks(scalars: dict, planned: dict, say) -> None:
     """A line per phase for the device's measured peaks in `scalars` (memory/<phase>_peak_gb),
     beside the plan's estimate: what a GPU run calibrates the plan with."""
-    for phase in ("validation", "rollout", "update"):
+    for phase in ("setup", "validation", "rollout", "update"):
         peak = scalars.get(f"memory/{phase}_peak_gb")
         if peak is not None:
             say(memory.describe_peak(phase, peak * memory.GB, planned.get(phase)))

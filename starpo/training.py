@@ -341,6 +341,7 @@ class _Loop:
         # the device's measured peak after each phase's first run in this process (a host call
         # where the loop waits anyway; nothing on CPU, whose backend reports no peak)
         self.unmeasured = {"validation", "train"}
+        self.setup_peak = None
         self.detector = metrics_lib.CollapseDetector(window=run.trainer.collapse_window)
         # RAGEN-2's other early stops (off unless their knobs are set)
         self.std_stop = metrics_lib.RewardStdStop(run.trainer.reward_std_stop_steps)
@@ -359,6 +360,11 @@ class _Loop:
         if not resuming and jax.process_index() == 0:
             harness.write_config(self.workdir, spec.config)
         self._resume(resuming)
+        # the device's peak once the state is built or restored, before any phase: what the
+        # first phases' "peak so far" owes to the set-up (a model file read, a checkpoint
+        # restored) rather than to themselves (None on CPU)
+        jax.block_until_ready(self.state)
+        self.setup_peak = memory.device_peak()
         self.writer = harness.metrics_writer(self.workdir, self.start)
         harness.log_start(self.exp, time.perf_counter() - t_build, self.log)
         total, last = t.total_steps, {}
@@ -389,6 +395,12 @@ class _Loop:
 
     def _keys(self):
         return metrics_lib.summary_keys(self.run_spec.batch.group_size)
+
+    def _setup_peak(self, scalars) -> None:
+        """memory/setup_peak_gb into the first scalars that measure a phase, once."""
+        if self.setup_peak is not None:
+            scalars["memory/setup_peak_gb"] = self.setup_peak / memory.GB
+            self.setup_peak = None
 
     def _resume(self, resuming) -> None:
         """The state, first step, level seed counter, collapse detector and update contexts of
@@ -430,6 +442,7 @@ class _Loop:
             peak = memory.device_peak()
             if peak is not None:
                 scalars["memory/validation_peak_gb"] = peak / memory.GB
+                self._setup_peak(scalars)
                 harness.measured_peaks(scalars, self.planned, say)
         return scalars
 
@@ -443,6 +456,7 @@ class _Loop:
                                          peaks=first, contexts=self.contexts,
                                          analysis=self.analysis)
         if first:
+            self._setup_peak(scalars)
             harness.measured_peaks(scalars, self.planned, say)
         self.counter = int(scalars["env/seed_counter"])
         n = step + 1

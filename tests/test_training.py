@@ -383,25 +383,27 @@ def test_measured_device_peaks_are_logged_beside_the_plan_once_per_phase(bandit_
                                                                          monkeypatch):
     """Where the backend reports a peak (not XLA:CPU: nothing is logged there), the first
     validation and the first step log the device's peak so far after each phase beside its
-    plan, as a line and as memory/<phase>_peak_gb, once each (a fake allocator here)."""
+    plan, as a line and as memory/<phase>_peak_gb, once each, and with the first of them the
+    peak once the state was built, before any phase (a fake allocator here)."""
     from starpo import memory
 
     if jax.default_backend() == "cpu":
         assert memory.device_peak() is None  # XLA:CPU reports no allocator stats
     config, exp = bandit_run
     config = with_changes(config, trainer__total_steps=2, val__test_freq=1)
-    peaks = iter([1e9, 2e9, 3e9])  # validation, then the first step's rollout and update
+    peaks = iter([0.5e9, 1e9, 2e9, 3e9])  # set-up, validation, the first rollout and update
     monkeypatch.setattr(memory, "device_peak", lambda: next(peaks))
     said = []
     training.train(config, str(tmp_path / "run"), progress=False, experiment=exp,
                    log=said.append)
     lines = [s for s in said if s.startswith("memory measured:")]
-    assert [line.split()[2] for line in lines] == ["validation", "rollout", "update"], said
-    assert "peak so far 2.00 GB (plan: ~" in lines[1]
+    phases = ["setup", "validation", "rollout", "update"]
+    assert [line.split()[2] for line in lines] == phases, said
+    assert "peak so far 2.00 GB (plan: ~" in lines[2]
     rows = metrics.read_jsonl(os.path.join(str(tmp_path / "run"), "metrics.jsonl"))
     logged = {k: (r["step"], v) for r in rows for k, v in r.items() if k.startswith("memory/")}
-    assert logged == {"memory/validation_peak_gb": (0, 1.0), "memory/rollout_peak_gb": (1, 2.0),
-                      "memory/update_peak_gb": (1, 3.0)}, logged
+    assert logged == {"memory/setup_peak_gb": (0, 0.5), "memory/validation_peak_gb": (0, 1.0),
+                      "memory/rollout_peak_gb": (1, 2.0), "memory/update_peak_gb": (1, 3.0)}, logged
 
 
 def test_a_kl_loss_is_measured_against_the_starting_policy(tmp_path):
