@@ -165,8 +165,9 @@ def prompts(tok, batch, length):
     return rows
 
 
-def run_jax(m, rows, new_tokens, dtype, prefill_dtype, cache_dtype, repeats):
-    cfg = m.cfg.replace(dtype=dtype)
+def run_jax(m, rows, new_tokens, dtype, prefill_dtype, cache_dtype, repeats,
+            decode_attention="xla"):
+    cfg = m.cfg.replace(dtype=dtype, decode_attention=decode_attention)
     smp = sampler.Sampler(cfg, new_tokens, eos_ids=(), pad_id=m.tokenizer.pad_id,
                           prefill_dtype=prefill_dtype)
     B, P = rows.shape
@@ -249,6 +250,9 @@ def main():
                         "native bfloat16, else float32)")
     p.add_argument("--cache_dtype", default="float32")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--decode_attention", choices=["xla", "pallas"], default="xla",
+                   help="a decode step's attention: XLA's ops or the fused kernel "
+                        "(starpo/decode_attention.py; interpreted off a GPU: slow)")
     p.add_argument("--torch", choices=["auto", "no"], default="auto")
     a = p.parse_args()
 
@@ -259,9 +263,10 @@ def main():
     c = m.cfg
     result = dict(model=a.model, params=c.num_params, device=device_kind(), batch=a.batch,
                   prompt_len=int(rows.shape[1]), new_tokens=a.new_tokens, dtype=a.dtype,
-                  prefill_dtype=a.prefill_dtype, cache_dtype=a.cache_dtype)
+                  prefill_dtype=a.prefill_dtype, cache_dtype=a.cache_dtype,
+                  decode_attention=a.decode_attention)
     tps, compile_s = run_jax(m, rows, a.new_tokens, a.dtype, a.prefill_dtype, a.cache_dtype,
-                             a.repeats)
+                             a.repeats, a.decode_attention)
     result.update(tokens_per_s=round(tps, 1), compile_s=round(compile_s, 1), **jax_peak_memory())
     # the decode loop against the memory bandwidth: prefill's time counts against it too
     bound = decode_bound(c, a.batch, a.new_tokens, rows.shape[1] + a.new_tokens / 2, a.dtype,

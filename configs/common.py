@@ -143,6 +143,10 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # written-out backwards), "cudnn" flash attention on NVIDIA GPUs where it takes the
         # model, else "xla" (jax.nn.dot_product_attention, scores recomputed in the backward)
         attention="auto",  # auto | cpu | xla | cudnn
+        # a decode step's attention over the KV cache (same numbers either way): "xla" (its
+        # matmuls and softmax) or "pallas", one fused kernel a layer that reads the cache once
+        # (starpo/decode_attention.py; a GPU kernel, interpreted elsewhere: for tests)
+        decode_attention="xla",  # xla | pallas
         # a run's workdir (or one checkpoint in it) of the same model.path: the actor starts
         # from its latest (or that) checkpoint's weights, e.g. an SFT run of launch/sft.py
         init_from="",

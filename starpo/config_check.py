@@ -28,6 +28,7 @@ RULES = {
     "model.dtype": one_of("auto", "float32", "bfloat16"),
     "model.remat_policy": one_of(*model.REMAT_POLICIES),
     "model.attention": one_of(*model.ATTENTION),
+    "model.decode_attention": one_of(*model.DECODE_ATTENTION),
     "mesh.data": _MESH_AXIS, "mesh.fsdp": _MESH_AXIS, "mesh.tensor": _MESH_AXIS,
     "mesh.distributed": one_of("auto", "on", "off"),
     "mesh.num_processes": within(0, note="0 = JAX detects it"),

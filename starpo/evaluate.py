@@ -85,7 +85,8 @@ def check_comparable(a, b) -> None:
     model with other weights: the same architecture (the training-only settings remat and the
     attention kernels aside: they give the same numbers) and the same tokenizer, so that b plays
     on the programs built for a."""
-    same = dict(remat=a.cfg.remat, remat_policy=a.cfg.remat_policy, attention=a.cfg.attention)
+    same = dict(remat=a.cfg.remat, remat_policy=a.cfg.remat_policy, attention=a.cfg.attention,
+                decode_attention=a.cfg.decode_attention)
     cb = b.cfg.replace(**same)
     if cb != a.cfg:
         diff = [f"{f.name} {getattr(a.cfg, f.name)!r} vs {getattr(cb, f.name)!r}"

@@ -61,6 +61,7 @@ ACTIVATION_AXES = ("batch", "length", "act_embed")
 # float16). "auto": "cpu" on CPU; on an NVIDIA GPU "cudnn" where it takes the shapes and dtype,
 # else "xla"; "xla" on TPU. All give the same numbers to float rounding (tests/test_model.py).
 ATTENTION = ("auto", "cpu", "xla", "cudnn")
+DECODE_ATTENTION = ("xla", "pallas")  # = decode_attention.KINDS (not imported: Pallas loads late)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,8 @@ class ModelConfig:
     # rotary, attention and activations run again
     remat_policy: str = "full"
     attention: str = "auto"  # the kernels (see ATTENTION): auto | cpu | xla | cudnn
+    # a decode step's attention over the cache: "xla" or "pallas" (starpo/decode_attention.py)
+    decode_attention: str = "xla"
     # LoRA adapters (`starpo/lora.py`): rank (0: none), alpha and the projections adapted
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -108,6 +111,9 @@ class ModelConfig:
                              f"{', '.join(REMAT_POLICIES)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}; known: {', '.join(ATTENTION)}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={self.decode_attention!r}; known: "
+                             f"{', '.join(DECODE_ATTENTION)}")
         if self.lora_rank < 0 or (self.lora_rank and not self.lora_targets):
             raise ValueError(f"lora_rank={self.lora_rank} with targets {self.lora_targets}")
 
@@ -570,7 +576,7 @@ class Attention(nn.Module):
                                in_axes=(-2, -1))
 
         if write is not None:
-            out, new_kv = _attend_written_cache(q, k, v, kv, write)
+            out, new_kv = _attend_written_cache(q, k, v, kv, write, cfg.decode_attention)
             return out_proj(out), new_kv
         if kv is None:  # the training forward: causal over the sequence's valid tokens
             # the last query sees every valid key
@@ -621,13 +627,19 @@ def _heads_out(out, T, G):
     return jnp.moveaxis(out.reshape(B, K, T, G, E), 2, 1).reshape(B, T, K * G, E)
 
 
-def _attend_written_cache(q, k, v, kv, write):
+def _attend_written_cache(q, k, v, kv, write, decode="xla"):
     """Layer by layer (`split_cache`): write the chunk's k, v into this layer's cache buffers
     (in place: nothing reads the old ones), then attend over the cache alone, slots `visible`
-    to each query. -> (out, the updated (ck, cv))."""
+    to each query. -> (out, the updated (ck, cv)). decode="pallas": one query a row (a decode
+    step) attends in one fused kernel where it runs (`decode_attention.runs`)."""
     rows, slots, visible = write
     ck = kv[0].at[rows, :, slots].set(k, mode="drop")
     cv = kv[1].at[rows, :, slots].set(v, mode="drop")
+    if decode == "pallas":
+        from starpo import decode_attention
+
+        if decode_attention.runs(q.shape, ck.shape[2]):
+            return decode_attention.attend(q, ck, cv, visible), (ck, cv)
 
     def attend(q, visible):  # a block of queries [B,Q,K,G,E], visible [B,Q,S]
         T, G = q.shape[1], q.shape[3]

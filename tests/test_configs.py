@@ -107,6 +107,7 @@ BAD = {
     "model.lora.target_modules": ["attn", "q,final_norm", ""],
     # cudnn: only an NVIDIA GPU runs it (issue 34: a one-line error, not a backward's crash)
     "model.attention": ["flash"] + ([] if model.gpu_capability() else ["cudnn"]),
+    "model.decode_attention": ["triton", "1"],
     "mesh.data": ["x", "0", "-2"],
     "mesh.fsdp": ["x", "0"],
     "mesh.tensor": ["1.5", "0"],
