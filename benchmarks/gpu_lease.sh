@@ -12,7 +12,7 @@
 # run      joins the model, checks it against .dev/gguf.sha256 and puts it where the embedded
 #          model is looked for (`weights.cache_dir()`), so runs, evaluations and tests find
 #          SmolLM2 without network; then starts, in the background, the test suite on the GPU
-#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 6, each with 0.05 of the
+#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 10, each with 0.05 of the
 #          GPU's memory; `-v`, so each test's name and outcome is logged as it ends, and each
 #          failure's traceback in /tmp/lease/failures.txt as it happens) and the
 #          job lanes side by side, each lane's commands one after another (LEASE_JOBS: files of
@@ -79,7 +79,7 @@ case "${1:-}" in
     if [ "${LEASE_TESTS:-1}" != 0 ]; then
       # the README's command, more workers (16 CPUs), each beside the jobs with a small share
       # of the GPU's memory
-      w=${LEASE_TEST_WORKERS:-6}
+      w=${LEASE_TEST_WORKERS:-10}
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.05 STARPO_TEST_FAILURES="$L/failures.txt" \
         setsid nohup python -m pytest -v -p no:cacheprovider \
         -n "$w" --maxprocesses="$w" > "$L/tests.log" 2>&1 < /dev/null &

@@ -69,6 +69,30 @@ def test_where_the_kernel_runs():
                       head_dim=8, intermediate_size=8, decode_attention="triton")
 
 
+@pytest.mark.parametrize("B,K,G,E,S,dtype", [(128, 2, 7, 64, 512, "bfloat16"),
+                                             (4, 3, 3, 64, 96, "bfloat16"),
+                                             (2, 2, 3, 16, 48, "float32")],
+                         ids=["qwen2.5-0.5b", "smollm2", "float32"])
+def test_the_kernel_lowers_to_one_triton_call_for_a_gpu(B, K, G, E, S, dtype):
+    """Lowered for CUDA on any machine (`jax.export`, no GPU needed): Pallas's Triton lowering
+    takes the kernel at Qwen2.5-0.5B's and SmolLM2's head shapes (it refuses, for one, arrays
+    whose sizes are not powers of 2: the queries are padded to 16 rows for that), and the
+    decode attention is one Triton call."""
+    from jax import export
+
+    def f(q, ck, cv, visible):
+        return DA.attend(q, ck, cv, visible, interpret=False)
+
+    shapes = [((B, 1, K, G, E), dtype), ((B, K, S, E), dtype), ((B, K, S, E), dtype),
+              ((B, 1, S), bool)]
+    triton = "__gpu$xla.gpu.triton"
+    lowered = export.export(jax.jit(f), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(
+        *(jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes))
+    assert lowered.mlir_module().count(f"@{triton}") == 1
+    assert lowered.out_avals[0].shape == (B, 1, K * G, E)
+
+
 class FakeTok:
     eos_ids, pad_id = (5,), 0
 
