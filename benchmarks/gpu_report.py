@@ -70,6 +70,11 @@ def steps(a) -> dict:
         "decode": (a.step_s, py + ["-m", "benchmarks.decode_step", f"--model={model}", *sample,
                                    f"--hlo_out={os.path.join(a.out, 'decode_step.hlo')}",
                                    f"--profile={os.path.join(a.out, 'decode_profile')}"]),
+        # not in the default steps: the sampler, JAX alone, with a decode step's attention in
+        # one fused kernel (model.decode_attention=pallas) against XLA's ops
+        "decode_kernel": (a.step_s, py + ["-m", "benchmarks.sampler", f"--model={model}",
+                                          *sample, "--dtype=bfloat16", "--cache_dtype=bfloat16",
+                                          "--torch=no", "--decode_attention=pallas"]),
         # not in the default steps: LoRA rank 64 beside full fine-tuning (docs/lora.md)
         "lora": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
                                  "--lora_rank=64", "--torch=no"]),
@@ -174,6 +179,7 @@ def headline(report: dict) -> dict:
         "sampler_tokens_per_s": get("sampler", "tokens_per_s"),
         "sampler_vs_transformers": get("sampler", "speedup_vs_torch"),
         "sampler_fraction_of_bound": get("sampler", "fraction_of_bandwidth_bound"),
+        "sampler_tokens_per_s_decode_kernel": get("decode_kernel", "tokens_per_s"),
         "decode_launches_per_step": get("decode", "launches_per_step"),
         "decode_launches_per_layer": get("decode", "launches_per_layer"),
         "decode_step_device_s": get("decode", "profile", "per_step_s"),
@@ -214,7 +220,7 @@ def main(argv=None):
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
     p.add_argument("--steps", default="tests,update,sampler,decode,iteration,card24",
                    help="comma-separated subset of: tests, update, sampler, decode, iteration, "
-                        "card24, lora, xla")
+                        "card24, lora, decode_kernel, xla")
     p.add_argument("--xla_variants", default="--xla_gpu_enable_triton_gemm=false",
                    help="the xla step: XLA_FLAGS variants the sampler runs under beside the "
                         "defaults, separated by ';' (the first: cuBLAS, not Triton, for the "

@@ -119,6 +119,14 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
         {"xla_flags": "--xla_gpu_enable_triton_gemm=false", "tokens_per_s": None}]}
     assert g.headline(report)["sampler_tokens_per_s_by_xla_flags"] == {
         "default": 100.0, "--xla_gpu_enable_triton_gemm=false": None}
+    # the decode kernel's step: the sampler with model.decode_attention=pallas
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(quick=True, model=g.QWEN05, out="out", tests="", workers=1,
+                           tests_s=1.0, step_s=1.0, torch_variants="")
+    assert "--decode_attention=pallas" in g.steps(args)["decode_kernel"][1]
+    report["steps"]["decode_kernel"] = {"result": {"tokens_per_s": 150.0}}
+    assert g.headline(report)["sampler_tokens_per_s_decode_kernel"] == 150.0
     # fitted to a 24 GB card, the iteration's plan and peaks are the ones held to 20 GB
     fit = {"capacity_gb": 24.0, "offload_state": True, "decode_windows": 4}
     report["steps"]["card24"] = {"result": {
