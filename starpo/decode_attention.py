@@ -6,8 +6,8 @@ for the weighted sum, which read the cache twice and write the [B,H,S] scores an
 probabilities between them. On an H100 at Qwen2.5-0.5B's shape those took ~23 us a layer
 against the ~5 us that reading the layer's cache once takes (docs/results.md, "Speed against
 PyTorch"). Here one program per (row, kv head) walks the cache slots in blocks with an online
-softmax (FlashAttention's running maximum and sum), reading each slot's key and value once and
-writing only the output: `model.decode_attention=pallas` (off by default until timed on a GPU;
+softmax (FlashAttention's running maximum and sum), reading each filled slot's key and value
+once (none past the row's last visible slot) and writing only the output: `model.decode_attention=pallas` (off by default until timed on a GPU;
 `benchmarks/sampler.py --decode_attention`). Off a GPU it runs in Pallas's interpreter (slow,
 for tests: the same program's numbers).
 """
@@ -39,9 +39,10 @@ def runs(q_shape, slots: int) -> bool:
     return T == 1 and E >= 16 and E & (E - 1) == 0 and slot_block(slots) is not None
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, o_ref, *, block, steps):
+def _kernel(q_ref, k_ref, v_ref, bias_ref, end_ref, o_ref, *, block):
     """One (row, kv head): q [Gp,E] against the cache k, v [S,E] with bias [S] (0 or the mask
-    value) -> o [Gp,E] float32."""
+    value), up to slot `end` (the row's last visible slot + 1; beyond it the mask hides every
+    slot, so those blocks are not read) -> o [Gp,E] float32."""
     q = q_ref[...]
     rows = q.shape[0]
 
@@ -60,7 +61,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, o_ref, *, block, steps):
 
     init = (jnp.zeros((rows, q.shape[1]), jnp.float32),
             jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    o, _, norm = jax.lax.fori_loop(0, steps, step, init)
+    o, _, norm = jax.lax.fori_loop(0, pl.cdiv(end_ref[()], block), step, init)
     o_ref[...] = o / norm[:, None]
 
 
@@ -81,17 +82,22 @@ def attend(q, ck, cv, visible, interpret: bool | None = None):
     rows = max(16, 1 << (G - 1).bit_length())
     qk = jnp.pad(q[:, 0].astype(ck.dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     bias = jnp.where(visible[:, 0], 0.0, _MASK_VALUE).astype(jnp.float32)  # [B,S]
+    # a row's slots fill from the left: none after its last visible one is read (a row with no
+    # visible slot reads them all, as XLA's masked softmax averages them all)
+    last = jnp.max(jnp.where(visible[:, 0], jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=1)
+    end = jnp.where(last > 0, last, S)  # [B]
     out = pl.pallas_call(
-        functools.partial(_kernel, block=block, steps=S // block),
+        functools.partial(_kernel, block=block),
         grid=(B, K),
         in_specs=[pl.BlockSpec((None, None, rows, E), lambda b, k: (b, k, 0, 0)),
                   pl.BlockSpec((None, None, S, E), lambda b, k: (b, k, 0, 0)),
                   pl.BlockSpec((None, None, S, E), lambda b, k: (b, k, 0, 0)),
-                  pl.BlockSpec((None, S), lambda b, k: (b, 0))],
+                  pl.BlockSpec((None, S), lambda b, k: (b, 0)),
+                  pl.BlockSpec((None,), lambda b, k: (b,))],
         out_specs=pl.BlockSpec((None, None, rows, E), lambda b, k: (b, k, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, K, rows, E), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="decode_attention",
-    )(qk, ck, cv, bias)
+    )(qk, ck, cv, bias, end)
     return out[:, :, :G].reshape(B, 1, K * G, E)

@@ -32,14 +32,16 @@ def numpy_attention(q, ck, cv, visible):
                                            (2, 7, 64, 256, "bfloat16")],
                          ids=["qwen-heads", "smollm2-heads", "bf16-cache"])
 def test_kernel_equals_the_numpy_loop(K, G, E, S, dtype):
-    """Random queries and cache, each slot visible with probability 1/2, one row with none
-    (the online softmax's masked blocks must not leak into a later block's sum): float32 to
-    float32 rounding, a bfloat16 cache to bfloat16's."""
+    """Random queries and cache, each slot visible with probability 1/2: one row filled only
+    up to slot 20, one whose first half is masked (the online softmax's masked blocks must not
+    leak into a later block's sum), one with none: float32 to float32 rounding, a bfloat16
+    cache to bfloat16's."""
     rng = np.random.default_rng(S)
     B = 3
     q = (rng.standard_normal((B, 1, K, G, E)) / np.sqrt(E)).astype(np.float32)
     ck, cv = (rng.standard_normal((B, K, S, E)).astype(np.float32) for _ in range(2))
     visible = rng.random((B, 1, S)) < 0.5
+    visible[0, 0, 20:] = False  # slots filled up to 20: the later blocks are not read
     visible[1, 0, : S // 2] = False  # the first blocks masked, then visible ones
     visible[2] = False
     if dtype == "bfloat16":  # the reference reads the cache as the kernel does
