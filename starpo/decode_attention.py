@@ -7,9 +7,10 @@ probabilities between them. On an H100 at Qwen2.5-0.5B's shape those took ~23 us
 against the ~5 us that reading the layer's cache once takes (docs/results.md, "Speed against
 PyTorch"). Here one program per (row, kv head) walks the cache slots in blocks with an online
 softmax (FlashAttention's running maximum and sum), reading each filled slot's key and value
-once (none past the row's last visible slot) and writing only the output: `model.decode_attention=pallas` (off by default until timed on a GPU;
-`benchmarks/sampler.py --decode_attention`). Off a GPU it runs in Pallas's interpreter (slow,
-for tests: the same program's numbers).
+once (none past the row's last visible slot) and writing only the output:
+`model.decode_attention=pallas` (off by default until timed on a GPU; `benchmarks/sampler.py
+--decode_attention`). Off a GPU it runs in Pallas's interpreter (slow, for tests: the same
+program's numbers).
 """
 
 import functools
@@ -19,7 +20,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-KINDS = ("xla", "pallas")
 _MASK_VALUE = -1e30  # model._MASK_VALUE: a row with no visible slot averages them all alike
 _BLOCKS = (128, 64, 32, 16)  # cache slots a loop step reads (a power of 2 that divides S)
 # plgpu.dot from jax 0.8 on; jax 0.7's pl.dot

@@ -61,7 +61,9 @@ ACTIVATION_AXES = ("batch", "length", "act_embed")
 # float16). "auto": "cpu" on CPU; on an NVIDIA GPU "cudnn" where it takes the shapes and dtype,
 # else "xla"; "xla" on TPU. All give the same numbers to float rounding (tests/test_model.py).
 ATTENTION = ("auto", "cpu", "xla", "cudnn")
-DECODE_ATTENTION = ("xla", "pallas")  # = decode_attention.KINDS (not imported: Pallas loads late)
+# a decode step's attention: XLA's ops, or one fused kernel a layer (starpo/decode_attention.py,
+# imported only where used: Pallas loads late)
+DECODE_ATTENTION = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
