@@ -130,3 +130,18 @@ def test_the_sampler_with_the_kernel_equals_xlas_decode_step():
             np.testing.assert_allclose(fused, xla, rtol=1e-5, atol=1e-5)
         else:
             np.testing.assert_array_equal(fused, xla)
+
+
+def test_the_config_knob_reaches_the_model():
+    """`model.decode_attention` in a run's config is the loaded policy's, and a run saved
+    before the knob existed reads as XLA's ops (harness.ADDED_KEYS)."""
+    from configs import bandit
+    from starpo import experiment, harness
+
+    config = bandit.get_config("tiny")
+    assert experiment.load_policy(config).cfg.decode_attention == "xla"
+    config.unlock()
+    config.model.decode_attention = "pallas"
+    assert experiment.load_policy(config).cfg.decode_attention == "pallas"
+    assert harness.ADDED_KEYS["model.decode_attention"] == "xla"
+    assert "model.decode_attention" in harness.RESUMABLE_CHANGES
