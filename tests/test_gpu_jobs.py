@@ -1,0 +1,65 @@
+"""The GPU lease's job files (benchmarks/gpu_jobs*.txt, run by benchmarks/gpu_lease.sh): a
+mistyped command there is found on a GPU machine only, and costs a lease of 15 minutes. Each
+command is checked here as far as that can be without a GPU or the runs it reads."""
+
+import glob
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from launch import common
+from tests.test_training import ROOT
+
+JOB_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "gpu_jobs*.txt")))
+CONFIG_LAUNCHERS = ("launch/train.py", "launch/sft.py", "benchmarks.train_step")
+
+
+def jobs():
+    """(file name, the command's words after its environment settings and `timeout N`)."""
+    for path in JOB_FILES:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                words = shlex.split(line)
+                while "=" in words[0] and not words[0].startswith("-"):
+                    words.pop(0)
+                if words[0] == "timeout":
+                    words = words[2:]
+                yield os.path.basename(path), words
+
+
+def test_the_lanes_exist():
+    names = [os.path.basename(p) for p in JOB_FILES]
+    assert {"gpu_jobs.txt", "gpu_jobs_speed.txt"} <= set(names), names
+    assert len(list(jobs())) >= 8
+
+
+@pytest.mark.parametrize("index", range(len(list(jobs()))))
+def test_each_job_runs_a_program_here_with_config_keys_that_exist(index):
+    """Its program is in the repository; a launcher's `--config.*` overrides name keys of its
+    config with values of their types (parsed as the launcher parses them; the run folders
+    the command reads come from earlier jobs, so they are not looked for); a reproduction's
+    flags and `--set` keys pass its `--dry_run` (~1 s each)."""
+    name, words = list(jobs())[index]
+    assert words[0] == "python", (name, words)
+    program = words[2] if words[1] == "-m" else words[1]
+    args = words[3:] if words[1] == "-m" else words[2:]
+    path = (os.path.join(ROOT, *program.split(".")) + ".py") if words[1] == "-m" else (
+        os.path.join(ROOT, program))
+    assert os.path.isfile(path), (name, program)
+    if program in CONFIG_LAUNCHERS:
+        argv = [program] + [a for a in args if a.startswith("--config")]
+        values = flags.FlagValues()
+        config = common.define_config("the config", flag_values=values, sys_argv=argv)
+        common.parse_flags(argv, values, config)
+        assert values["config"].value is not None
+    if program == "launch/reproduce.py" and "--print_only" not in args:  # (that runs nothing)
+        p = subprocess.run([sys.executable, program, *args, "--dry_run"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (name, p.stderr[-2000:])
