@@ -396,11 +396,13 @@ class _Loop:
     def _keys(self):
         return metrics_lib.summary_keys(self.run_spec.batch.group_size)
 
-    def _setup_peak(self, scalars) -> None:
-        """memory/setup_peak_gb into the first scalars that measure a phase, once."""
+    def _measured_peaks(self, scalars, say) -> None:
+        """The lines of a phase's first measured peaks, beside their plan; the first of them
+        also carry memory/setup_peak_gb (once)."""
         if self.setup_peak is not None:
             scalars["memory/setup_peak_gb"] = self.setup_peak / memory.GB
             self.setup_peak = None
+        harness.measured_peaks(scalars, self.planned, say)
 
     def _resume(self, resuming) -> None:
         """The state, first step, level seed counter, collapse detector and update contexts of
@@ -442,8 +444,7 @@ class _Loop:
             peak = memory.device_peak()
             if peak is not None:
                 scalars["memory/validation_peak_gb"] = peak / memory.GB
-                self._setup_peak(scalars)
-                harness.measured_peaks(scalars, self.planned, say)
+                self._measured_peaks(scalars, say)
         return scalars
 
     def _step(self, step: int, template, say):
@@ -456,8 +457,7 @@ class _Loop:
                                          peaks=first, contexts=self.contexts,
                                          analysis=self.analysis)
         if first:
-            self._setup_peak(scalars)
-            harness.measured_peaks(scalars, self.planned, say)
+            self._measured_peaks(scalars, say)
         self.counter = int(scalars["env/seed_counter"])
         n = step + 1
         stop = self._flag(scalars)

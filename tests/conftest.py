@@ -64,22 +64,12 @@ if ((0, 10) <= _jaxlib_version() < (0, 11)
 # changes nothing on a CPU). Known to the XLA of every jaxlib from 0.7 to 0.10; a newer one is
 # asked first (an XLA_FLAGS entry an XLA does not know aborts the process), once per run.
 DETERMINISTIC_GPU = "--xla_gpu_exclude_nondeterministic_ops=true"
-
-
-def _xla_knows(flag: str) -> bool:
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                           capture_output=True, timeout=300)
-    return probe.returncode == 0
-
-
 if ("xla_gpu_exclude_nondeterministic_ops" not in os.environ.get("XLA_FLAGS", "")
         and not os.environ.get("STARPO_TEST_XLA_PROBED")):
+    from tests.fake_devices import xla_knows
+
     os.environ["STARPO_TEST_XLA_PROBED"] = "1"  # the workers inherit the answer
-    if (0, 7) <= _jaxlib_version() < (0, 11) or _xla_knows(DETERMINISTIC_GPU):
+    if (0, 7) <= _jaxlib_version() < (0, 11) or xla_knows(DETERMINISTIC_GPU):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_GPU}".strip()
 # One persistent compilation cache for the run, in a fresh directory: the controller makes it
 # before pytest-xdist starts its workers, which inherit the variable (so do the subprocesses the

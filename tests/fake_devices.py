@@ -41,7 +41,8 @@ ABORTED_AT_RENDEZVOUS = "Termination timeout for"
 
 
 @functools.cache
-def _xla_knows(flag: str) -> bool:
+def xla_knows(flag: str) -> bool:
+    """Whether this XLA accepts `flag` in XLA_FLAGS (an unknown one aborts the process)."""
     env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
                            capture_output=True, text=True, timeout=120)
@@ -54,7 +55,7 @@ def env(n: int = 8) -> dict:
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
             if not f.startswith("--xla_force_host_platform_device_count")]
     flags = " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])
-    if _xla_knows(LATE_LIMIT_FLAG):
+    if xla_knows(LATE_LIMIT_FLAG):
         flags += " " + LATE_LIMIT_FLAG
     # the repository first, the caller's path kept (packages installed with --target, say)
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)

@@ -34,19 +34,21 @@ def jobs():
                 yield os.path.basename(path), words
 
 
+JOBS = list(jobs())
+
+
 def test_the_lanes_exist():
     names = [os.path.basename(p) for p in JOB_FILES]
     assert {"gpu_jobs.txt", "gpu_jobs_speed.txt"} <= set(names), names
-    assert len(list(jobs())) >= 8
+    assert len(JOBS) >= 8
 
 
-@pytest.mark.parametrize("index", range(len(list(jobs()))))
-def test_each_job_runs_a_program_here_with_config_keys_that_exist(index):
+@pytest.mark.parametrize("name,words", JOBS)
+def test_each_job_runs_a_program_here_with_config_keys_that_exist(name, words):
     """Its program is in the repository; a launcher's `--config.*` overrides name keys of its
     config with values of their types (parsed as the launcher parses them; the run folders
     the command reads come from earlier jobs, so they are not looked for); a reproduction's
     flags and `--set` keys pass its `--dry_run` (~1 s each)."""
-    name, words = list(jobs())[index]
     assert words[0] == "python", (name, words)
     program = words[2] if words[1] == "-m" else words[1]
     args = words[3:] if words[1] == "-m" else words[2:]
