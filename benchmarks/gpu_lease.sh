@@ -12,9 +12,10 @@
 # run      joins the model, checks it against .dev/gguf.sha256 and puts it where the embedded
 #          model is looked for (`weights.cache_dir()`), so runs, evaluations and tests find
 #          SmolLM2 without network; then starts, in the background, the test suite on the GPU
-#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 10, each with 0.05 of the
-#          GPU's memory; `-v`, so each test's name and outcome is logged as it ends, and each
-#          failure's traceback in /tmp/lease/failures.txt as it happens) and the
+#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 10, each with LEASE_TEST_MEM,
+#          default 0.05, of the GPU's memory; `-v`, so each test's name and outcome is logged as it ends, and each
+#          failure's traceback in /tmp/lease/failures.txt as it happens; LEASE_TESTS_FILE: a
+#          file of test ids, one a line, `#` comments, to run those alone) and the
 #          job lanes side by side, each lane's commands one after another (LEASE_JOBS: files of
 #          commands, one a line, `#` comments, one lane a file; default benchmarks/gpu_jobs.txt
 #          and benchmarks/gpu_jobs_speed.txt; each job with XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -82,9 +83,14 @@ case "${1:-}" in
       # the README's command, more workers (16 CPUs), each beside the jobs with a small share
       # of the GPU's memory
       w=${LEASE_TEST_WORKERS:-10}
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.05 STARPO_TEST_FAILURES="$L/failures.txt" \
+      ids=()
+      if [ -n "${LEASE_TESTS_FILE:-}" ]; then
+        [ -f "$LEASE_TESTS_FILE" ] || { echo "error: no tests file $LEASE_TESTS_FILE" >&2; exit 1; }
+        mapfile -t ids < <(grep -v -e '^\s*#' -e '^\s*$' "$LEASE_TESTS_FILE")
+      fi
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_TEST_MEM:-0.05} STARPO_TEST_FAILURES="$L/failures.txt" \
         setsid nohup python -m pytest -v -p no:cacheprovider \
-        -n "$w" --maxprocesses="$w" > "$L/tests.log" 2>&1 < /dev/null &
+        -n "$w" --maxprocesses="$w" "${ids[@]}" > "$L/tests.log" 2>&1 < /dev/null &
       echo $! > "$L/tests.pid"
       echo "tests started, $w workers (log: $L/tests.log)"
     fi
