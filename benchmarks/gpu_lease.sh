@@ -77,6 +77,9 @@ case "${1:-}" in
     cache=$(python -c "from starpo import weights; print(weights.cache_dir())") || exit 1
     mkdir -p "$cache/smollm2-135m-instruct" &&
       cp /tmp/smollm2.gguf "$cache/smollm2-135m-instruct/model.gguf" || exit 1
+    # converted once here, not by each of the runs that start side by side
+    python -c "from starpo import weights; weights.converted_dir('smollm2-135m-instruct')" ||
+      exit 1
     lanes=${LEASE_JOBS:-benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_speed.txt}
     for f in $lanes; do [ -f "$f" ] || { echo "error: no jobs file $f" >&2; exit 1; }; done
     if [ "${LEASE_TESTS:-1}" != 0 ]; then

@@ -277,11 +277,13 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer) -> dict:
     return out
 
 
-def save_hf_dir(directory: str, cfg: ModelConfig, params: dict, tok: Tokenizer) -> None:
+def save_hf_dir(directory: str, cfg: ModelConfig, params: dict, tok: Tokenizer,
+                shared: bool = False) -> None:
     """Write a Hugging Face checkpoint directory (float32 safetensors, config, tokenizer).
 
     Written to a temporary sibling and renamed into place, so `directory` is either complete
-    or absent.
+    or absent. An existing `directory` is an error, unless `shared` (a cache that processes
+    started side by side may each fill: the first complete one stays, the others' copies go).
     """
     from safetensors.numpy import save_file
 
@@ -296,9 +298,14 @@ def save_hf_dir(directory: str, cfg: ModelConfig, params: dict, tok: Tokenizer) 
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": list(tok.eos_ids), "pad_token_id": tok.pad_id}, f)
         tok.save(tmp)
-        if os.path.isdir(directory):
+        complete = lambda: os.path.isfile(os.path.join(directory, "config.json"))  # noqa: E731
+        if os.path.isdir(directory) and not (shared and complete()):
             raise LoadError(f"{directory} already exists")
-        os.rename(tmp, directory)
+        try:
+            os.rename(tmp, directory)
+        except OSError:  # another process renamed its copy into place first
+            if not (shared and complete()):
+                raise LoadError(f"{directory} already exists") from None
     finally:
         if os.path.isdir(tmp):
             import shutil
@@ -460,12 +467,14 @@ def fetch_embedded(name: str) -> str:
 
 
 def converted_dir(name: str) -> str:
-    """An embedded model converted once to a float32 Hugging Face directory (fast to reload)."""
+    """An embedded model converted once to a float32 Hugging Face directory (fast to reload).
+    Runs started side by side on a fresh machine each convert it, and all use the first copy
+    finished (on an H200 lease, three seeds at once: two used to stop with "already exists")."""
     folder = os.path.join(cache_dir(), name, "hf")
     if not os.path.isfile(os.path.join(folder, "config.json")):
         cfg, params, tok = load_gguf(fetch_embedded(name))
         print(f"Converting {name} to {folder} (once)...", file=sys.stderr, flush=True)
-        save_hf_dir(folder, cfg, params, tok)
+        save_hf_dir(folder, cfg, params, tok, shared=True)
     return folder
 
 

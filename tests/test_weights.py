@@ -251,3 +251,38 @@ def test_random_spec_loads_untied_with_bias_and_a_stand_in_tokenizer():
     assert m.cfg.num_params == sum(x.size for x in jax.tree_util.tree_leaves(m.params))
     ids = m.tokenizer.encode("Hello")
     assert m.tokenizer.decode(ids) == "Hello" and max(ids) < m.cfg.vocab_size
+
+
+def test_runs_side_by_side_each_converting_the_same_cache_all_succeed(tmp_path, tiny_tokenizer):
+    """Seeds started at once on a fresh machine each convert the embedded model into the same
+    cache folder (weights.converted_dir): every writer succeeds, the folder ends complete and
+    loadable, no partial copy is left, and a later writer leaves the first copy in place.
+    Outside a cache (launch/export.py) an existing folder stays an error."""
+    import threading
+
+    tensors = random_hf_tensors(QWEN_LIKE, seed=5)
+    m = weights.load_model(write_hf_dir(tmp_path / "src", QWEN_LIKE, tensors, tiny_tokenizer))
+    out = tmp_path / "cache" / "hf"
+    errors, start = [], threading.Barrier(6)
+
+    def convert():
+        start.wait()
+        try:
+            weights.save_hf_dir(str(out), m.cfg, m.params, m.tokenizer, shared=True)
+        except Exception as e:  # noqa: BLE001 — collected and asserted on below
+            errors.append(e)
+
+    threads = [threading.Thread(target=convert) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(os.listdir(tmp_path / "cache")) == ["hf"]  # no .partial- folder left
+    first = os.stat(out / "model.safetensors").st_mtime_ns
+    weights.save_hf_dir(str(out), m.cfg, m.params, m.tokenizer, shared=True)
+    assert os.stat(out / "model.safetensors").st_mtime_ns == first
+    again = weights.load_model(str(out))
+    assert again.cfg == m.cfg
+    with pytest.raises(weights.LoadError, match="already exists"):
+        weights.save_hf_dir(str(out), m.cfg, m.params, m.tokenizer)
