@@ -78,11 +78,20 @@ def main(argv):
     algo, cfg, r = exp.algo, exp.policy.cfg, config.rollout
     offload = training.offloader(exp)
     compile_s, phase_s = {}, {}
+    # per phase: the device's peak once its program is compiled, before it runs (compiling on a
+    # GPU autotunes kernels in scratch buffers of the same device memory), and what XLA's buffer
+    # assignment reserves for the program (arguments + outputs + temporaries, less what aliases)
+    compiled_peak, xla_gb = {}, {}
 
     def timed(name, jitted, *args):
         t = time.perf_counter()
         program = jitted.lower(*args).compile()
         compile_s[name] = time.perf_counter() - t
+        compiled_peak[name] = device_peak_gb()
+        m = program.memory_analysis()
+        if m is not None:
+            xla_gb[name] = round((m.argument_size_in_bytes + m.output_size_in_bytes
+                                  + m.temp_size_in_bytes - m.alias_size_in_bytes) / 1e9, 3)
         t = time.perf_counter()
         out = jax.block_until_ready(program(*args))
         phase_s[name] = time.perf_counter() - t
@@ -177,9 +186,11 @@ def main(argv):
             "actor/sampler_logprob_abs_gap", "actor/sampler_logprob_max_abs_gap",
             "actor/sampler_kl")},
         # each phase's plan (starpo/memory.py) beside the device's measured peak so far (GB;
-        # None on CPU): after the rollout, and after the update (the run's peak)
+        # None on CPU): after the rollout, and after the update (the run's peak); the peak
+        # once each program was compiled, before it ran; XLA's reservation for each program
         "memory_gb": {"plan": {p.name: round(p.total / 1e9, 2) for p in plan},
-                      "peak_after": peaks},
+                      "peak_after": peaks, "peak_after_compile": compiled_peak,
+                      "xla_program": xla_gb},
         # what fit_memory chose for the device (or for --capacity_gb)
         "fit": {"capacity_gb": FLAGS.capacity_gb or None,
                 "offload_state": exp.run.trainer.offload_state,

@@ -62,6 +62,12 @@ def test_train_step_benchmark_runs_its_phases_ahead_of_time():
     assert set(out["compile_s"]) == {"rollout", "old_logprobs", "prepare", "update"}
     assert out["episodes"] == 64 and out["iteration_s"] > 0
     assert set(out["memory_gb"]["plan"]) == {"rollout", "validation", "update"}
+    # XLA's reservation for each compiled program (what a measured peak above the plan is read
+    # against), and the device's peak once it was compiled (None: a CPU keeps no statistics)
+    xla = out["memory_gb"]["xla_program"]
+    assert set(xla) == set(out["compile_s"]) and all(v >= 0 for v in xla.values())
+    assert xla["update"] > 0 and xla["rollout"] > 0
+    assert set(out["memory_gb"]["peak_after_compile"]) == set(out["compile_s"])
     # the plan is checked before any phase runs, as a run checks it (after them, on a CPU, the
     # process's own buffers would count against the host memory left)
     lines = p.stderr.splitlines()
