@@ -12,19 +12,21 @@
 # run      joins the model, checks it against .dev/gguf.sha256 and puts it where the embedded
 #          model is looked for (`weights.cache_dir()`), so runs, evaluations and tests find
 #          SmolLM2 without network; then starts, in the background, the test suite on the GPU
-#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 10, each with LEASE_TEST_MEM,
-#          default 0.05, of the GPU's memory; `-v`, so each test's name and outcome is logged as it ends, and each
+#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 6, each with LEASE_TEST_MEM,
+#          default 0.035, of the GPU's memory; `-v`, so each test's name and outcome is logged as it ends, and each
 #          failure's traceback in /tmp/lease/failures.txt as it happens; LEASE_TESTS_FILE: a
 #          file of test ids, one a line, `#` comments, to run those alone) and the
 #          job lanes side by side, each lane's commands one after another (LEASE_JOBS: files of
-#          commands, one a line, `#` comments, one lane a file; default benchmarks/gpu_jobs.txt
-#          and benchmarks/gpu_jobs_speed.txt; each job with XLA_PYTHON_CLIENT_MEM_FRACTION
-#          LEASE_JOB_MEM, default 0.3, unless its line sets another); then waits like collect.
+#          commands, one a line, `#` comments, one lane a file; default benchmarks/gpu_jobs.txt,
+#          gpu_jobs_sokoban.txt and gpu_jobs_speed.txt; each job with
+#          XLA_PYTHON_CLIENT_MEM_FRACTION LEASE_JOB_MEM, default 0.24, unless its line sets
+#          another: the defaults' shares add up to ~0.9 of the GPU, since each process
+#          reserves its share when it starts); then waits like collect.
 # collect  waits up to WAIT_S seconds (default 0) or until the jobs and tests are done, then
 #          writes $OUT/lease.tgz: every log, evaluation, metrics file and config under /tmp/lease
 #          (no checkpoints), and prints the jobs' progress.
-# On an H200 lease of 15 device minutes (2026-11-28): start 34 s (the machine's start
-# included), run 560 s, collect 215 s, then give it back; 58 s were left.
+# On an H200 lease of 15 device minutes (2026-11-28, twice): start 34 s (the machine's start
+# included), run 560-571 s, collect 195-215 s, then give it back; 58-77 s were left.
 # The jobs and the tests run in sessions of their own (setsid), so they outlive the call that
 # started them; lane K's job N's output is /tmp/lease/lane<K>_job<N>.log, its progress
 # /tmp/lease/lane<K>.log, the tests' /tmp/lease/tests.log.
@@ -80,24 +82,24 @@ case "${1:-}" in
     # converted once here, not by each of the runs that start side by side
     python -c "from starpo import weights; weights.converted_dir('smollm2-135m-instruct')" ||
       exit 1
-    lanes=${LEASE_JOBS:-benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_speed.txt}
+    lanes=${LEASE_JOBS:-benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_sokoban.txt benchmarks/gpu_jobs_speed.txt}
     for f in $lanes; do [ -f "$f" ] || { echo "error: no jobs file $f" >&2; exit 1; }; done
     if [ "${LEASE_TESTS:-1}" != 0 ]; then
       # the README's command, more workers (16 CPUs), each beside the jobs with a small share
       # of the GPU's memory
-      w=${LEASE_TEST_WORKERS:-10}
+      w=${LEASE_TEST_WORKERS:-6}
       ids=()
       if [ -n "${LEASE_TESTS_FILE:-}" ]; then
         [ -f "$LEASE_TESTS_FILE" ] || { echo "error: no tests file $LEASE_TESTS_FILE" >&2; exit 1; }
         mapfile -t ids < <(grep -v -e '^\s*#' -e '^\s*$' "$LEASE_TESTS_FILE")
       fi
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_TEST_MEM:-0.05} STARPO_TEST_FAILURES="$L/failures.txt" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_TEST_MEM:-0.035} STARPO_TEST_FAILURES="$L/failures.txt" \
         setsid nohup python -m pytest -v -p no:cacheprovider \
         -n "$w" --maxprocesses="$w" "${ids[@]}" > "$L/tests.log" 2>&1 < /dev/null &
       echo $! > "$L/tests.pid"
       echo "tests started, $w workers (log: $L/tests.log)"
     fi
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_JOB_MEM:-0.3}
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_JOB_MEM:-0.24}
     k=0
     for f in $lanes; do
       k=$((k + 1))
