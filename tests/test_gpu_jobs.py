@@ -39,8 +39,25 @@ JOBS = list(jobs())
 
 def test_the_lanes_exist():
     names = [os.path.basename(p) for p in JOB_FILES]
-    assert {"gpu_jobs.txt", "gpu_jobs_speed.txt"} <= set(names), names
+    assert {"gpu_jobs.txt", "gpu_jobs_sokoban.txt", "gpu_jobs_speed.txt"} <= set(names), names
     assert len(JOBS) >= 8
+    with open(os.path.join(ROOT, "benchmarks", "gpu_lease.sh")) as f:
+        lease = f.read()
+    for name in ("gpu_jobs.txt", "gpu_jobs_sokoban.txt", "gpu_jobs_speed.txt"):
+        assert f"benchmarks/{name}" in lease, name  # the lanes a plain `run` starts
+
+
+def test_the_tests_a_lease_reruns_exist():
+    """benchmarks/gpu_tests.txt (LEASE_TESTS_FILE): an id that names no test stops pytest
+    before it runs any, so each id's file and test function must be here."""
+    with open(os.path.join(ROOT, "benchmarks", "gpu_tests.txt")) as f:
+        ids = [x.strip() for x in f if x.strip() and not x.startswith("#")]
+    assert ids
+    for test_id in ids:
+        path, _, name = test_id.partition("::")
+        assert name and "[" not in name, test_id  # whole tests, all their cases
+        with open(os.path.join(ROOT, path)) as f:
+            assert f"\ndef {name}(" in f.read(), test_id
 
 
 @pytest.mark.parametrize("name,words", JOBS)
