@@ -42,12 +42,13 @@ flags.DEFINE_float("capacity_gb", 0.0, "Fit the run's memory to a device of this
 FLAGS = flags.FLAGS
 
 
-def device_peak_gb():
-    """The default device's peak bytes in use so far, GB; None where it keeps no statistics."""
+def device_peak_gb(key="peak_bytes_in_use"):
+    """The default device's peak bytes in use so far (or another of its allocator's statistics,
+    such as the bytes in use now), GB; None where it keeps no statistics."""
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
+    peak = stats.get(key)
     return None if peak is None else round(peak / 1e9, 2)
 
 
@@ -78,12 +79,15 @@ def main(argv):
     algo, cfg, r = exp.algo, exp.policy.cfg, config.rollout
     offload = training.offloader(exp)
     compile_s, phase_s = {}, {}
-    # per phase: the device's peak once its program is compiled, before it runs (compiling on a
-    # GPU autotunes kernels in scratch buffers of the same device memory), and what XLA's buffer
-    # assignment reserves for the program (arguments + outputs + temporaries, less what aliases)
-    compiled_peak, xla_gb = {}, {}
+    # per phase: the bytes in use before its program is compiled and the device's peak once it
+    # is, before it runs (compiling on a GPU autotunes kernels in scratch buffers of the same
+    # device memory: where the peak rose while compiling, by at least that scratch less what
+    # was in use), and what XLA's buffer assignment reserves for the program (arguments +
+    # outputs + temporaries, less what aliases)
+    in_use_before_compile, compiled_peak, xla_gb = {}, {}, {}
 
     def timed(name, jitted, *args):
+        in_use_before_compile[name] = device_peak_gb("bytes_in_use")
         t = time.perf_counter()
         program = jitted.lower(*args).compile()
         compile_s[name] = time.perf_counter() - t
@@ -189,8 +193,8 @@ def main(argv):
         # None on CPU): after the rollout, and after the update (the run's peak); the peak
         # once each program was compiled, before it ran; XLA's reservation for each program
         "memory_gb": {"plan": {p.name: round(p.total / 1e9, 2) for p in plan},
-                      "peak_after": peaks, "peak_after_compile": compiled_peak,
-                      "xla_program": xla_gb},
+                      "peak_after": peaks, "in_use_before_compile": in_use_before_compile,
+                      "peak_after_compile": compiled_peak, "xla_program": xla_gb},
         # what fit_memory chose for the device (or for --capacity_gb)
         "fit": {"capacity_gb": FLAGS.capacity_gb or None,
                 "offload_state": exp.run.trainer.offload_state,

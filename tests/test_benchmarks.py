@@ -68,6 +68,7 @@ def test_train_step_benchmark_runs_its_phases_ahead_of_time():
     assert set(xla) == set(out["compile_s"]) and all(v >= 0 for v in xla.values())
     assert xla["update"] > 0 and xla["rollout"] > 0
     assert set(out["memory_gb"]["peak_after_compile"]) == set(out["compile_s"])
+    assert set(out["memory_gb"]["in_use_before_compile"]) == set(out["compile_s"])
     # the plan is checked before any phase runs, as a run checks it (after them, on a CPU, the
     # process's own buffers would count against the host memory left)
     lines = p.stderr.splitlines()
