@@ -309,4 +309,5 @@ def measured_peaks(scalars: dict, planned: dict, say) -> None:
     for phase in ("setup", "validation", "rollout", "update"):
         peak = scalars.get(f"memory/{phase}_peak_gb")
         if peak is not None:
-            say(memory.describe_peak(phase, peak * memory.GB, planned.get(phase)))
+            say(memory.describe_peak(phase, peak * memory.GB, planned.get(phase),
+                                     memory.autotune_scratch()))

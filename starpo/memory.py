@@ -32,6 +32,7 @@ structure (the buffers XLA's buffer assignment shows for them):
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax.numpy as jnp
@@ -198,6 +199,17 @@ def update_parts(model: run_config.ModelSpec, algo, cfg: ModelConfig, rows: floa
 HOPPER_WORKSPACE = 32 * 2 ** 20  # cuBLAS's recommended workspace from compute capability 9 on
 
 
+def _nvidia_gpu(device=None):
+    """`device` (default: the first JAX device) where it is an NVIDIA GPU, else None."""
+    if device is None:
+        import jax
+
+        device = jax.devices()[0]
+    if device.platform != "gpu" or "nvidia" not in str(device.device_kind).lower():
+        return None
+    return device
+
+
 def matmul_workspace(device=None) -> float:
     """Bytes XLA:GPU reserves among a program's temporaries for cuBLAS's workspace: 32 MiB on
     Hopper and later (compute capability 9+), 4 MiB before (cuBLAS's recommended sizes, which
@@ -205,14 +217,30 @@ def matmul_workspace(device=None) -> float:
     Measured on an H100: tiny programs' compiled temporaries were 22-30 MB above the plan
     without it. The plan counts it in every program, an upper bound: XLA adds it only to
     programs where autotuning kept a cuBLAS call (`compiled_workspace`)."""
+    device = _nvidia_gpu(device)
     if device is None:
-        import jax
-
-        device = jax.devices()[0]
-    if device.platform != "gpu" or "nvidia" not in str(device.device_kind).lower():
         return 0.0
     major = str(getattr(device, "compute_capability", "9.0")).split(".")[0]
     return float(HOPPER_WORKSPACE if not major.isdigit() or int(major) >= 9 else 4 * 2 ** 20)
+
+
+# XLA:GPU's autotuner allocates at most this much scratch on the device while it compiles (its
+# redzone allocator's limit, `--xla_gpu_redzone_scratch_max_megabytes`, 4,096 MiB by default)
+AUTOTUNE_SCRATCH_MB = 4096
+_SCRATCH_FLAG = re.compile(r"--xla_gpu_redzone_scratch_max_megabytes=(\d+)")
+
+
+def autotune_scratch(device=None, xla_flags: str | None = None) -> float:
+    """Bytes of device memory XLA:GPU's autotuner may take while a program compiles (the
+    limit in `xla_flags`, default $XLA_FLAGS, else 4,096 MiB); 0 off NVIDIA GPUs. Not among a
+    program's buffers, so not in the plan: a run whose programs come from the persistent
+    compilation cache does not autotune. On an H200 both rollouts of the paper config at
+    Qwen2.5-0.5B's shape peaked 4.26 and 4.35 GB over their plans, this default's 4.29 GB."""
+    if _nvidia_gpu(device) is None:
+        return 0.0
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    found = _SCRATCH_FLAG.findall(flags)
+    return float(int(found[-1]) if found else AUTOTUNE_SCRATCH_MB) * 2 ** 20
 
 
 # a cuBLAS call's output tuple ends in its workspace: `(f32[..], s8[33554432]{0}) custom-call(`
@@ -368,11 +396,17 @@ def device_peak() -> float | None:
     return float(peak) if peak else None
 
 
-def describe_peak(phase: str, peak: float, planned: float | None) -> str:
-    """One line: the device's measured peak after a phase's first run, beside its plan."""
+def describe_peak(phase: str, peak: float, planned: float | None, scratch: float = 0.0) -> str:
+    """One line: the device's measured peak after a phase's first run, beside its plan; where
+    the peak is over the plan and the autotuner may have taken `scratch` bytes while compiling
+    (`autotune_scratch`), the line says so."""
     plan = f" (plan: ~{planned / GB:.2f} GB)" if planned else ""
+    over = ""
+    if planned and peak > planned and scratch:
+        over = (f"; it counts XLA's autotuning scratch while compiling, up to "
+                f"{scratch / GB:.2f} GB")
     return (f"memory measured: {phase} done, the device's peak so far {peak / GB:.2f} GB"
-            f"{plan}")
+            f"{plan}{over}")
 
 
 def total_gb(phases: list[Phase]) -> dict[str, float]:
