@@ -403,7 +403,7 @@ def describe_peak(phase: str, peak: float, planned: float | None, scratch: float
     plan = f" (plan: ~{planned / GB:.2f} GB)" if planned else ""
     over = ""
     if planned and peak > planned and scratch:
-        over = (f"; it counts XLA's autotuning scratch while compiling, up to "
+        over = (f"; it may include XLA's autotuning scratch while compiling, up to "
                 f"{scratch / GB:.2f} GB")
     return (f"memory measured: {phase} done, the device's peak so far {peak / GB:.2f} GB"
             f"{plan}{over}")
