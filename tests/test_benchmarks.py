@@ -139,10 +139,13 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
     report["steps"]["card24"] = {"result": {
         "iteration_s": 3.9, "fit": fit,
         "memory_gb": {"plan": {"rollout": 16.2, "update": 19.8},
-                      "peak_after": {"rollout": 15.0, "update": 19.5}}}}
+                      "peak_after": {"rollout": 15.0, "update": 19.5},
+                      "peak_after_compile": {"rollout": 14.0, "old_logprobs": None,
+                                             "update": 19.5}}}}
     head = g.headline(report)
     assert (head["plan_max_gb"], head["peak_gb"], head["memory_measured_as"]) == (
         19.8, 19.5, "card24")
+    assert head["peak_once_compiled_gb"] == 19.5  # the update's peak came while compiling
     assert head["card24_fit"] == fit and head["iteration_s"] == 3.5
     assert g.verdicts(head)["plan_max_gb"].startswith("met")
 
