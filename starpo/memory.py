@@ -224,23 +224,26 @@ def matmul_workspace(device=None) -> float:
     return float(HOPPER_WORKSPACE if not major.isdigit() or int(major) >= 9 else 4 * 2 ** 20)
 
 
-# XLA:GPU's autotuner allocates at most this much scratch on the device while it compiles (its
-# redzone allocator's limit, `--xla_gpu_redzone_scratch_max_megabytes`, 4,096 MiB by default)
-AUTOTUNE_SCRATCH_MB = 4096
-_SCRATCH_FLAG = re.compile(r"--xla_gpu_redzone_scratch_max_megabytes=(\d+)")
+# What XLA:GPU's autotuner may allocate on the device while a program compiles: it runs the
+# candidate kernels on buffers from the same allocator. Older XLA capped its scratch at 4,096
+# MiB (`--xla_gpu_redzone_scratch_max_megabytes`, a flag jaxlib 0.10 no longer has); on an H200
+# both rollouts of the paper config at Qwen2.5-0.5B's shape peaked 4.26 and 4.35 GB over their
+# plans, about that (docs/results.md).
+AUTOTUNE_SCRATCH = 4096 * 2 ** 20
+_AUTOTUNE_LEVEL = re.compile(r"--xla_gpu_autotune_level=(\d+)")
 
 
 def autotune_scratch(device=None, xla_flags: str | None = None) -> float:
-    """Bytes of device memory XLA:GPU's autotuner may take while a program compiles (the
-    limit in `xla_flags`, default $XLA_FLAGS, else 4,096 MiB); 0 off NVIDIA GPUs. Not among a
+    """Bytes of device memory XLA:GPU's autotuner may take while a program compiles, as far as
+    measured (`AUTOTUNE_SCRATCH`); 0 off NVIDIA GPUs, and where `xla_flags` (default $XLA_FLAGS)
+    turns autotuning off (`--xla_gpu_autotune_level=0`, the last one given). Not among a
     program's buffers, so not in the plan: a run whose programs come from the persistent
-    compilation cache does not autotune. On an H200 both rollouts of the paper config at
-    Qwen2.5-0.5B's shape peaked 4.26 and 4.35 GB over their plans, this default's 4.29 GB."""
+    compilation cache does not autotune either."""
     if _nvidia_gpu(device) is None:
         return 0.0
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    found = _SCRATCH_FLAG.findall(flags)
-    return float(int(found[-1]) if found else AUTOTUNE_SCRATCH_MB) * 2 ** 20
+    level = _AUTOTUNE_LEVEL.findall(flags)
+    return 0.0 if level and int(level[-1]) == 0 else float(AUTOTUNE_SCRATCH)
 
 
 # a cuBLAS call's output tuple ends in its workspace: `(f32[..], s8[33554432]{0}) custom-call(`

@@ -314,16 +314,17 @@ def test_the_plan_command_prints_the_table_for_known_shapes():
 
 
 def test_the_autotuning_scratch_follows_the_device_and_the_flag():
-    """XLA:GPU's autotuner may take up to 4,096 MiB of device memory while a program compiles
-    (its redzone allocator's default limit), or what `--xla_gpu_redzone_scratch_max_megabytes`
-    says (the last one given); none off NVIDIA GPUs. A measured peak over its plan says so."""
+    """XLA:GPU's autotuner may take up to ~4 GiB of device memory while a program compiles (as
+    measured on an H200); none off NVIDIA GPUs, nor with autotuning off
+    (`--xla_gpu_autotune_level=0`, the last one given). A measured peak over its plan says so."""
     from types import SimpleNamespace as D
 
     h200 = D(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
     assert memory.autotune_scratch(h200, xla_flags="") == 4096 * 2 ** 20
-    flags = ("--xla_gpu_enable_triton_gemm=false --xla_gpu_redzone_scratch_max_megabytes=2048 "
-             "--xla_gpu_redzone_scratch_max_megabytes=512")
-    assert memory.autotune_scratch(h200, xla_flags=flags) == 512 * 2 ** 20
+    assert memory.autotune_scratch(h200, xla_flags="--xla_gpu_autotune_level=0") == 0
+    flags = ("--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false "
+             "--xla_gpu_autotune_level=4")
+    assert memory.autotune_scratch(h200, xla_flags=flags) == 4096 * 2 ** 20
     assert memory.autotune_scratch(D(platform="cpu", device_kind="cpu"), xla_flags="") == 0
     assert memory.autotune_scratch(D(platform="tpu", device_kind="TPU v5 lite")) == 0
     if jax.default_backend() != "gpu":
