@@ -18,6 +18,20 @@ JOB_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "gpu_jobs*.txt")))
 CONFIG_LAUNCHERS = ("launch/train.py", "launch/sft.py", "benchmarks.train_step")
 
 
+def job_xla_flags():
+    """Each distinct XLA_FLAGS value a job line sets."""
+    found = set()
+    for path in JOB_FILES:
+        with open(path) as f:
+            for line in f:
+                if line.strip().startswith("#"):
+                    continue
+                for word in shlex.split(line):
+                    if word.startswith("XLA_FLAGS="):
+                        found.add(word.removeprefix("XLA_FLAGS="))
+    return sorted(found)
+
+
 def jobs():
     """(file name, the command's words after its environment settings and `timeout N`)."""
     for path in JOB_FILES:
@@ -82,3 +96,15 @@ def test_each_job_runs_a_program_here_with_config_keys_that_exist(name, words):
         p = subprocess.run([sys.executable, program, *args, "--dry_run"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, (name, p.stderr[-2000:])
+
+
+@pytest.mark.parametrize("xla_flags", job_xla_flags())
+def test_each_jobs_xla_flags_are_known_to_xla(xla_flags):
+    """An XLA flag this jaxlib does not know stops the process at its first computation (XLA
+    parses every backend's flags, so a GPU flag is checked on a CPU too): a flag that XLA has
+    removed would cost a job its lease slot."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
+    compute = "import jax.numpy as jnp; jnp.ones(1).block_until_ready()"
+    p = subprocess.run([sys.executable, "-c", compute], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, (xla_flags, p.stderr[-1000:])
