@@ -12,8 +12,9 @@
 # run      joins the model, checks it against .dev/gguf.sha256 and puts it where the embedded
 #          model is looked for (`weights.cache_dir()`), so runs, evaluations and tests find
 #          SmolLM2 without network, and converts it once; then starts, in the background, the
-#          test suite on the GPU (LEASE_TESTS=0: not; LEASE_TESTS_FILE: a file of test ids, one
-#          a line, `#` comments, to run those alone; LEASE_TEST_WORKERS workers, default 6, each
+#          tests on the GPU (LEASE_TESTS=0: none; LEASE_TESTS_FILE: a file of test ids, one a
+#          line, `#` comments, default benchmarks/gpu_tests.txt, or `all` for the whole suite,
+#          which wants a lease of its own; LEASE_TEST_WORKERS workers, default 6, each
 #          with LEASE_TEST_MEM, default 0.035, of the GPU's memory; `-v`, so each test's name
 #          and outcome is logged as it ends, and each failure's traceback in
 #          /tmp/lease/failures.txt as it happens) and the job lanes side by side, each lane's
@@ -88,11 +89,12 @@ case "${1:-}" in
     [ "$lanes" = none ] && lanes=""  # the tests alone
     for f in $lanes; do [ -f "$f" ] || { echo "error: no jobs file $f" >&2; exit 1; }; done
     if [ "${LEASE_TESTS:-1}" != 0 ]; then
-      # the README's command, more workers (16 CPUs), each beside the jobs with a small share
-      # of the GPU's memory
+      # the listed tests (or the README's command), more workers (16 CPUs), each beside the
+      # jobs with a small share of the GPU's memory
       w=${LEASE_TEST_WORKERS:-6}
       ids=()
-      if [ -n "${LEASE_TESTS_FILE:-}" ]; then
+      LEASE_TESTS_FILE=${LEASE_TESTS_FILE:-benchmarks/gpu_tests.txt}
+      if [ "$LEASE_TESTS_FILE" != all ]; then
         [ -f "$LEASE_TESTS_FILE" ] || { echo "error: no tests file $LEASE_TESTS_FILE" >&2; exit 1; }
         mapfile -t ids < <(grep -v -e '^\s*#' -e '^\s*$' "$LEASE_TESTS_FILE")
       fi
