@@ -42,14 +42,13 @@ flags.DEFINE_float("capacity_gb", 0.0, "Fit the run's memory to a device of this
 FLAGS = flags.FLAGS
 
 
-def device_peak_gb(key="peak_bytes_in_use"):
-    """The default device's peak bytes in use so far (or another of its allocator's statistics,
-    such as the bytes in use now), GB; None where it keeps no statistics."""
-    import jax
+def device_gb(key="peak_bytes_in_use"):
+    """One of the device's allocator statistics (`memory.device_stat`: by default its peak bytes
+    in use so far), GB; None where it keeps no statistics."""
+    from starpo import memory
 
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get(key)
-    return None if peak is None else round(peak / 1e9, 2)
+    value = memory.device_stat(key)
+    return None if value is None else round(value / 1e9, 2)
 
 
 def main(argv):
@@ -87,11 +86,11 @@ def main(argv):
     in_use_before_compile, compiled_peak, xla_gb = {}, {}, {}
 
     def timed(name, jitted, *args):
-        in_use_before_compile[name] = device_peak_gb("bytes_in_use")
+        in_use_before_compile[name] = device_gb("bytes_in_use")
         t = time.perf_counter()
         program = jitted.lower(*args).compile()
         compile_s[name] = time.perf_counter() - t
-        compiled_peak[name] = device_peak_gb()
+        compiled_peak[name] = device_gb()
         m = program.memory_analysis()
         if m is not None:
             xla_gb[name] = round((m.argument_size_in_bytes + m.output_size_in_bytes
@@ -115,7 +114,7 @@ def main(argv):
         traj, m = timed("rollout", exp.run_rollout, state.actor_params, k_roll, env_state,
                         group_id, jnp.float32(r.temperature))
         summary = evaluate.summarize(traj, m, r.group_size)
-        peaks = {"rollout": device_peak_gb()}
+        peaks = {"rollout": device_gb()}
         t = time.perf_counter()
         state = jax.block_until_ready(offload(state, UP.DEVICE))
         offload_s += time.perf_counter() - t
@@ -153,7 +152,7 @@ def main(argv):
         timed("prepare", prepare, state, traj)
         ref = exp.policy.params if algo.uses_reference else None  # as `training.train_step`
         _, update_metrics = timed("update", exp.update, state, traj, k_update, ref)
-        peaks["update"] = device_peak_gb()
+        peaks["update"] = device_gb()
 
     forwards = phase_s["old_logprobs"] + phase_s.get("values", 0.0)
     phases = {"rollout": phase_s["rollout"], "old_logprobs": phase_s["old_logprobs"]}

@@ -388,15 +388,21 @@ def device_capacity() -> tuple[float | None, str]:
     return available / max(jax.local_device_count(), 1), "host memory available"
 
 
+def device_stat(key: str) -> float | None:
+    """One of the first local device's allocator statistics (`memory_stats()`: bytes_in_use,
+    peak_bytes_in_use, ...), or None where the backend reports none (XLA:CPU). A host call: it
+    waits for nothing on the device."""
+    import jax
+
+    value = (jax.local_devices()[0].memory_stats() or {}).get(key)
+    return None if value is None else float(value)
+
+
 def device_peak() -> float | None:
     """The peak bytes the first local device has held so far (its allocator's
     `peak_bytes_in_use`, a running maximum since the process started), or None where the
-    backend reports none (XLA:CPU). A host call: it waits for nothing on the device."""
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    return float(peak) if peak else None
+    backend reports none (XLA:CPU)."""
+    return device_stat("peak_bytes_in_use") or None
 
 
 def describe_peak(phase: str, peak: float, planned: float | None, scratch: float = 0.0) -> str:
