@@ -66,6 +66,11 @@ def steps(a) -> dict:
         # the same iteration fitted to a 24 GB card (`training.fit_memory`: the state in host
         # memory while sampling where the plan needs it), whose peaks issue 34 bounds at 20 GB
         "card24": (a.step_s, iteration + ["--capacity_gb=24"]),
+        # the same iteration where the device's memory pool is --pool_gb, allocated at the
+        # start (`pool_env`): as on a card of that size, nothing past it can be had, the
+        # autotuner's scratch included; the run fits itself to the pool, and it either runs
+        # (its peaks then within the pool) or stops out of memory
+        "pool": (a.step_s, iteration),
         # what one decode step launches and how often the host waits (compiled, not run)
         "decode": (a.step_s, py + ["-m", "benchmarks.decode_step", f"--model={model}", *sample,
                                    f"--hlo_out={os.path.join(a.out, 'decode_step.hlo')}",
@@ -79,6 +84,29 @@ def steps(a) -> dict:
         "lora": (a.step_s, py + ["-m", "benchmarks.update", f"--model={model}", *shape,
                                  "--lora_rank=64", "--torch=no"]),
     }
+
+
+def gpu_total_bytes() -> int | None:
+    """The first NVIDIA GPU's memory in bytes (nvidia-smi), or None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=60).stdout
+        return int(out.split()[0]) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def pool_env(pool_gb: float, total: int | None) -> dict | str:
+    """os.environ for a JAX process whose device memory pool is `pool_gb` GB, reserved when it
+    starts (XLA_PYTHON_CLIENT_PREALLOCATE, and the fraction of `total` bytes that is the pool),
+    or why there is none: no GPU's total known, or a pool larger than the GPU."""
+    if not total:
+        return "no NVIDIA GPU (nvidia-smi) to take a memory pool of"
+    if pool_gb * 1e9 >= total:
+        return f"a {pool_gb} GB pool is more than the GPU's {total / 1e9:.1f} GB"
+    return dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true",
+                XLA_PYTHON_CLIENT_MEM_FRACTION=f"{pool_gb * 1e9 / total:.6f}")
 
 
 def last_json(text: str) -> dict | None:
@@ -159,8 +187,9 @@ def headline(report: dict) -> dict:
         return v
 
     upd = get("update") or {}
-    # the memory targets: on a 24 GB card (card24), else as the iteration ran on this device
-    fitted = "card24" if get("card24") else "iteration"
+    # the memory targets: in a pool of a card's size (pool), else fitted to a 24 GB card
+    # (card24), else as the iteration ran on this device
+    fitted = next((n for n in ("pool", "card24") if get(n)), "iteration")
     plan = get(fitted, "memory_gb", "plan") or {}
     peaks = [p for p in (get(fitted, "memory_gb", "peak_after") or {}).values() if p]
     # the peak once each program was compiled, before it ran: where it equals the run's peak,
@@ -193,6 +222,10 @@ def headline(report: dict) -> dict:
         "memory_measured_as": fitted,
         "card24_fit": get("card24", "fit"),
         "card24_iteration_s": get("card24", "iteration_s"),
+        # the iteration in a preallocated pool of pool_gb: ran (rc 0), or not and why
+        "pool_gb": (s.get("pool") or {}).get("pool_gb"),
+        "pool_rc": (s.get("pool") or {}).get("rc"),
+        "pool_iteration_s": get("pool", "iteration_s"),
         "rollout_fraction_of_bound": get("iteration", "rollout_fraction_of_bound"),
         "sampler_trainer": get("iteration", "sampler_trainer"),
         "sampler_tokens_per_s_by_xla_flags": {
@@ -218,13 +251,17 @@ def verdicts(head: dict) -> dict:
     return out
 
 
-def main(argv=None):
+def arguments(argv=None) -> argparse.Namespace:
+    """The command line's arguments, or SystemExit with a one-line error (an unknown step)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu-report", help="folder for report.json and the logs")
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
     p.add_argument("--steps", default="tests,update,sampler,decode,iteration,card24",
                    help="comma-separated subset of: tests, update, sampler, decode, iteration, "
-                        "card24, lora, decode_kernel, xla")
+                        "card24, pool, lora, decode_kernel, xla")
+    p.add_argument("--pool_gb", type=float, default=20.0,
+                   help="the pool step: the device memory pool it runs in, GB (issue 34's bound "
+                        "for the paper config at the 0.5B shape: 20)")
     p.add_argument("--xla_variants", default="--xla_gpu_enable_triton_gemm=false",
                    help="the xla step: XLA_FLAGS variants the sampler runs under beside the "
                         "defaults, separated by ';' (the first: cuBLAS, not Triton, for the "
@@ -238,11 +275,17 @@ def main(argv=None):
                         "more than an H100 has)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU check of the command)")
     a = p.parse_args(argv)
+    known = steps(a)
+    unknown = [n for n in a.steps.split(",") if n and n not in known and n != "xla"]
+    if unknown:
+        sys.exit(f"error: --steps: unknown {', '.join(unknown)} (known: {', '.join(known)}, xla)")
+    return a
+
+
+def main(argv=None):
+    a = arguments(argv)
     plan = steps(a)
     chosen = [n for n in a.steps.split(",") if n]
-    unknown = [n for n in chosen if n not in plan and n != "xla"]
-    if unknown:
-        sys.exit(f"error: --steps: unknown {', '.join(unknown)} (known: {', '.join(plan)}, xla)")
     os.makedirs(a.out, exist_ok=True)
     report = {"argv": sys.argv[1:], "model": TINY if a.quick else a.model,
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -254,7 +297,14 @@ def main(argv=None):
             report["steps"][name] = xla_variants(a, plan["sampler"])
             continue
         limit, cmd = plan[name]
-        report["steps"][name] = run_step(name, limit, cmd, a.out)
+        env = pool_env(a.pool_gb, gpu_total_bytes()) if name == "pool" else None
+        if isinstance(env, str):  # no pool to be had: said, not run
+            report["steps"][name] = {"rc": "not run", "why": env, "pool_gb": a.pool_gb}
+            print(f"[{name}] not run: {env}", file=sys.stderr, flush=True)
+            continue
+        report["steps"][name] = run_step(name, limit, cmd, a.out, env=env)
+        if name == "pool":
+            report["steps"][name]["pool_gb"] = a.pool_gb
     report["headline"] = headline(report)
     report["targets"] = verdicts(report["headline"])
     for step in report["steps"].values():  # the device as the benchmarks saw it

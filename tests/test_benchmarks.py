@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -148,6 +150,35 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
     assert head["peak_once_compiled_gb"] == 19.5  # the update's peak came while compiling
     assert head["card24_fit"] == fit and head["iteration_s"] == 3.5
     assert g.verdicts(head)["plan_max_gb"].startswith("met")
+    # in a preallocated pool of 20 GB of an H200's 150.1 GB: the pool's figures come first
+    env = g.pool_env(20.0, 143_771 * 2**20)
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * 143_771 * 2**20 == pytest.approx(
+        20e9, rel=1e-5)
+    assert "no NVIDIA GPU" in g.pool_env(20.0, None)
+    assert "more than the GPU's 16.0 GB" in g.pool_env(20.0, 16 * 10**9)
+    report["steps"]["pool"] = {"rc": 0, "pool_gb": 20.0, "result": {
+        "iteration_s": 4.2, "memory_gb": {"plan": {"rollout": 15.1, "update": 19.4},
+                                          "peak_after": {"rollout": 17.0, "update": 19.9}}}}
+    head = g.headline(report)
+    assert (head["memory_measured_as"], head["peak_gb"], head["plan_max_gb"]) == (
+        "pool", 19.9, 19.4)
+    assert (head["pool_gb"], head["pool_rc"], head["pool_iteration_s"]) == (20.0, 0, 4.2)
+
+
+def test_gpu_report_says_why_the_pool_step_did_not_run(tmp_path, monkeypatch, capsys):
+    """Without an NVIDIA GPU's memory total, the pool step is recorded as not run, with why,
+    and the report is still written."""
+    from benchmarks import gpu_report as g
+
+    monkeypatch.setattr(g, "gpu_total_bytes", lambda: None)
+    g.main(["--quick", "--steps=pool", "--pool_gb=20", f"--out={tmp_path}"])
+    with open(tmp_path / "report.json") as f:
+        report = json.load(f)
+    assert report["steps"]["pool"] == {"rc": "not run", "pool_gb": 20.0,
+                                       "why": "no NVIDIA GPU (nvidia-smi) to take a memory pool of"}
+    assert (report["headline"]["pool_rc"], report["headline"]["peak_gb"]) == ("not run", None)
+    assert "pool" in capsys.readouterr().err
 
 
 # A hand-written optimised module: the entry runs a while loop whose body holds a layer's

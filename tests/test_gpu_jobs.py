@@ -80,7 +80,8 @@ def test_each_job_runs_a_program_here_with_config_keys_that_exist(name, words):
     """Its program is in the repository; a launcher's `--config.*` overrides name keys of its
     config with values of their types (parsed as the launcher parses them; the run folders
     the command reads come from earlier jobs, so they are not looked for); a reproduction's
-    flags and `--set` keys pass its `--dry_run` (~1 s each)."""
+    flags and `--set` keys pass its `--dry_run` (~1 s each); gpu_report's flags and steps
+    parse."""
     assert words[0] == "python", (name, words)
     program = words[2] if words[1] == "-m" else words[1]
     args = words[3:] if words[1] == "-m" else words[2:]
@@ -93,6 +94,10 @@ def test_each_job_runs_a_program_here_with_config_keys_that_exist(name, words):
         config = common.define_config("the config", flag_values=values, sys_argv=argv)
         common.parse_flags(argv, values, config)
         assert values["config"].value is not None
+    if program == "benchmarks.gpu_report":  # its flags and step names, nothing run
+        from benchmarks import gpu_report
+
+        gpu_report.arguments(args)
     if program == "launch/reproduce.py" and "--print_only" not in args:  # (that runs nothing)
         p = subprocess.run([sys.executable, program, *args, "--dry_run"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
