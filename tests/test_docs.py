@@ -1,6 +1,7 @@
 """The README and docs/: the front page stays short and names the commands CI runs, every docs
 page is listed on it, and every relative link and image in them points at a file (and heading)
-that exists. Text only: no JAX, under a second."""
+that exists; the suite's file order names files that exist. Text only: no JAX, under a
+second."""
 
 import pathlib
 import re
@@ -44,3 +45,13 @@ def test_every_relative_link_and_image_resolves():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+def test_the_suites_longest_first_order_names_test_files():
+    """tests/conftest.py's FILES_LONGEST_FIRST: a name that is no test file (a rename) would
+    quietly put that file back among the short ones at the end of the schedule."""
+    from tests.conftest import FILES_LONGEST_FIRST
+
+    assert len(set(FILES_LONGEST_FIRST)) == len(FILES_LONGEST_FIRST)
+    for name in FILES_LONGEST_FIRST:
+        assert (ROOT / "tests" / name).is_file(), name
