@@ -89,7 +89,10 @@ case "${1:-}" in
     # the evaluations of earlier leases (results/smollm2_gpu: configs and eval JSON, no
     # checkpoints) join this lease's runs in the reproduction's workdir, so that the tables it
     # prints hold every seed; a run of this lease of the same name is not overwritten by them
-    mkdir -p "$L/repro" && cp -rn results/smollm2_gpu/. "$L/repro/" || exit 1
+    mkdir -p "$L/repro" || exit 1
+    for d in results/smollm2_gpu/*/; do
+      [ -e "$L/repro/$(basename "$d")" ] || cp -r "$d" "$L/repro/" || exit 1
+    done
     default="benchmarks/gpu_jobs.txt benchmarks/gpu_jobs_sokoban.txt benchmarks/gpu_jobs_speed.txt"
     lanes=${LEASE_JOBS:-$default}
     [ "$lanes" = none ] && lanes=""  # the tests alone

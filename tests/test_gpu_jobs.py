@@ -61,7 +61,7 @@ def test_the_lanes_exist():
     for name in ("gpu_jobs.txt", "gpu_jobs_sokoban.txt", "gpu_jobs_speed.txt"):
         assert f"benchmarks/{name}" in lease, name  # the lanes a plain `run` starts
     # the earlier leases' evaluations join the reproduction's workdir, which the jobs name
-    assert 'cp -rn results/smollm2_gpu/. "$L/repro/"' in lease
+    assert 'for d in results/smollm2_gpu/*/; do' in lease and 'cp -r "$d" "$L/repro/"' in lease
     assert os.path.isdir(os.path.join(ROOT, "results", "smollm2_gpu"))
     assert all("--workdir=/tmp/lease/repro" in " ".join(words)
                for _, words in JOBS if words[1] == "launch/reproduce.py")
