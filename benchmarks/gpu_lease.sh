@@ -28,7 +28,9 @@
 #          its share when it starts); then waits like collect.
 # collect  waits up to WAIT_S seconds (default 0) or until the jobs and tests are done, then
 #          writes $OUT/lease.tgz: every log, evaluation, metrics file and config under /tmp/lease
-#          (no checkpoints), and prints the jobs' progress.
+#          (no checkpoints), and prints the jobs' progress. Back here,
+#          `python -m benchmarks.keep_evaluations <lease.tgz>` adds its new runs' evaluations
+#          to results/smollm2_gpu.
 # On an H200 lease of 15 device minutes (2026-11-28, twice): start 34 s (the machine's start
 # included), run 560-571 s, collect 195-215 s, then give it back; 58-77 s were left.
 # The jobs and the tests run in sessions of their own (setsid), so they outlive the call that

@@ -115,3 +115,40 @@ def test_each_jobs_xla_flags_are_known_to_xla(xla_flags):
     parses every backend's flags, so a GPU flag is checked on a CPU too): a flag that XLA has
     removed would cost a job its lease slot."""
     assert xla_knows(xla_flags), xla_flags
+
+
+def test_a_leases_evaluations_are_kept_once_and_nothing_else(tmp_path):
+    """benchmarks/keep_evaluations.py: from a lease.tgz as `collect` writes it, each run's
+    config.json and eval/ JSON go into the kept folder; a run without an evaluation (cut off),
+    a run already kept, metrics and logs stay out."""
+    import io
+    import json
+    import tarfile
+
+    from benchmarks import keep_evaluations
+
+    files = {"./repro/sft_Sokoban_seed1/config.json": "{}",
+             "./repro/sft_Sokoban_seed1/eval/SimpleSokoban.json": '{"results": {}}',
+             "./repro/sft_Sokoban_seed1/metrics.jsonl": "{}\n",
+             "./repro/starpo-s_Sokoban_seed1/config.json": "{}",  # cut off: no evaluation
+             "./repro/starpo-s_Sokoban_seed1/metrics.jsonl": "{}\n",
+             "./repro/sft_Sokoban/config.json": '{"new": 1}',
+             "./repro/sft_Sokoban/eval/SimpleSokoban.json": '{"new": 1}',
+             "./repro/logs/sft_Sokoban_seed1.sft.log": "log",
+             "./lane1_job1.log": "log"}
+    tgz = tmp_path / "lease.tgz"
+    with tarfile.open(tgz, "w:gz") as archive:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            archive.addfile(info, io.BytesIO(text.encode()))
+    kept = tmp_path / "kept"
+    (kept / "sft_Sokoban" / "eval").mkdir(parents=True)
+    (kept / "sft_Sokoban" / "eval" / "SimpleSokoban.json").write_text('{"old": 1}')
+    assert keep_evaluations.keep(str(tgz), str(kept)) == {"kept": ["sft_Sokoban_seed1"],
+                                                           "already": ["sft_Sokoban"]}
+    assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*") if p.is_file()) == [
+        "sft_Sokoban/eval/SimpleSokoban.json", "sft_Sokoban_seed1/config.json",
+        "sft_Sokoban_seed1/eval/SimpleSokoban.json"]
+    assert json.loads((kept / "sft_Sokoban" / "eval" / "SimpleSokoban.json").read_text()) == {
+        "old": 1}
