@@ -299,12 +299,13 @@ def main(argv=None):
         limit, cmd = plan[name]
         env = pool_env(a.pool_gb, gpu_total_bytes()) if name == "pool" else None
         if isinstance(env, str):  # no pool to be had: said, not run
-            report["steps"][name] = {"rc": "not run", "why": env, "pool_gb": a.pool_gb}
+            result = {"rc": "not run", "why": env}
             print(f"[{name}] not run: {env}", file=sys.stderr, flush=True)
-            continue
-        report["steps"][name] = run_step(name, limit, cmd, a.out, env=env)
+        else:
+            result = run_step(name, limit, cmd, a.out, env=env)
         if name == "pool":
-            report["steps"][name]["pool_gb"] = a.pool_gb
+            result["pool_gb"] = a.pool_gb
+        report["steps"][name] = result
     report["headline"] = headline(report)
     report["targets"] = verdicts(report["headline"])
     for step in report["steps"].values():  # the device as the benchmarks saw it

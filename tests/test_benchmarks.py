@@ -150,7 +150,7 @@ def test_gpu_report_reads_pytest_and_benchmark_output():
     assert head["peak_once_compiled_gb"] == 19.5  # the update's peak came while compiling
     assert head["card24_fit"] == fit and head["iteration_s"] == 3.5
     assert g.verdicts(head)["plan_max_gb"].startswith("met")
-    # in a preallocated pool of 20 GB of an H200's 150.1 GB: the pool's figures come first
+    # in a preallocated pool of 20 GB of an H200's 143,771 MiB (150.8 GB): the pool's figures come first
     env = g.pool_env(20.0, 143_771 * 2**20)
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
     assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * 143_771 * 2**20 == pytest.approx(
