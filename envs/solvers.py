@@ -91,7 +91,9 @@ def require_solver(env):
     if not has_solver(env):
         detail = (f"num_boxes={env.num_boxes} in a {env.dim_x}x{env.dim_y} room; Sokoban needs one "
                   f"box, or two with ((dim_x - 2) * (dim_y - 2)) ** 3 <= {_MAX_SOKOBAN_STATES}"
-                  if isinstance(env, sokoban.Sokoban) else f"{type(env).__name__} is not a known env")
+                  if isinstance(env, sokoban.Sokoban) else
+                  f"{type(env).__name__} has none (solvers: FrozenLake, Bandit, Sokoban, "
+                  f"Game2048, Sudoku)")
         raise ValueError(f"no solver for {getattr(env, 'name', env)!r}: {detail}")
 
 

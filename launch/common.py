@@ -47,7 +47,7 @@ def run(main, config_flag=None, check_config=False):
         logging.set_verbosity(logging.WARNING)  # JAX's backend probing is noise for users
         try:
             return main(argv)
-        except (LoadError, ValueError, FileNotFoundError) as e:
+        except (LoadError, ValueError, OSError) as e:  # OSError: a folder or file refused
             fail(first_line(e))
 
     app.run(wrapped, flags_parser=parse)
@@ -65,9 +65,15 @@ def parse_flags(argv, flag_values, config_flag=None, check_config=False):
     except flags.Error as e:
         raise UsageError(flag_error_message(str(e))) from None
     except (AttributeError, KeyError) as e:  # an override of a key the config lacks
+        if "has no attribute 'get_config'" in str(e):  # or a file without get_config()
+            raise UsageError(f"config: {config_file(argv, config_flag)} defines no "
+                             f"get_config()") from None
         raise UsageError(unknown_key_message(str(e), argv)) from None
     except (SyntaxError, ImportError, ValueError, TypeError, OSError) as e:  # the file's own
         raise UsageError(f"config: {first_line(e)}") from None
+    except Exception as e:  # anything else the file's get_config() raised
+        raise UsageError(f"config: {config_file(argv, config_flag)}: get_config() raised "
+                         f"{type(e).__name__}: {first_line(e)}") from None
     if config_flag is not None and flag_values[config_flag.name].present:
         holder = flag_values[config_flag.name]
         try:
@@ -76,6 +82,10 @@ def parse_flags(argv, flag_values, config_flag=None, check_config=False):
         except OSError as e:
             raise UsageError(f"config file {holder.config_filename} not found or unreadable "
                              f"({str(e).strip().splitlines()[-1].strip()})") from None
+        except AttributeError:  # get_config() returned something else
+            raise UsageError(f"config: {holder.config_filename}: get_config() returned "
+                             f"{type(config).__name__} {config!r:.40}, not a ConfigDict"
+                             ) from None
         if check_config:
             from starpo import config_check, run_config
 
@@ -84,6 +94,28 @@ def parse_flags(argv, flag_values, config_flag=None, check_config=False):
             except run_config.ConfigError as e:
                 raise UsageError(str(e)) from None
     return rest
+
+
+def config_file(argv, config_flag) -> str:
+    """The FILE of `--config=FILE[:variant]` in `argv` (for messages), or "the config file"."""
+    name = config_flag.name if config_flag is not None else "config"
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1].partition(":")[0]
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1].partition(":")[0]
+    return "the config file"
+
+
+def workdir_of(value, spec: str, suffix: str = "") -> str:
+    """--workdir's value, or where it is not given `default_workdir(spec, suffix)`; an empty
+    one is a ValueError (it would otherwise fall back to the default without a word)."""
+    if value is None:
+        return default_workdir(spec, suffix)
+    if not value.strip():
+        raise ValueError("--workdir is empty; give a folder or leave the flag out "
+                         f"(default {default_workdir(spec, suffix)})")
+    return value
 
 
 def default_workdir(spec: str, suffix: str = "") -> str:
@@ -198,7 +230,7 @@ def run_job(config, workdir: str, job):
     except BaseException as e:  # the other processes stop now rather than wait for this one
         if isinstance(e, jax.errors.JaxRuntimeError):  # a collective may have lost a process:
             sharding.Liveness.verdict()  # say which (exit status 3) rather than this error
-        expected = isinstance(e, (ValueError, FileNotFoundError))  # common.run: status 2
+        expected = isinstance(e, (ValueError, OSError))  # common.run: status 2
         sharding.Liveness.finish(ok=False, exit_code=2 if expected else 1)
         raise
     sharding.Liveness.finish()

@@ -35,7 +35,7 @@ def main(argv):
     from starpo import sft
 
     spec = config_flags.get_config_filename(FLAGS["config"])
-    workdir = FLAGS.workdir or common.default_workdir(spec, "_sft")
+    workdir = common.workdir_of(FLAGS.workdir, spec, "_sft")
     common.note_accelerator(spec)
     common.run_job(CONFIG.value, workdir,
                    lambda: sft.train_only(CONFIG.value, workdir, progress=FLAGS.progress))

@@ -42,7 +42,7 @@ def main(argv):
     from starpo import training
 
     spec = config_flags.get_config_filename(FLAGS["config"])
-    workdir = FLAGS.workdir or common.default_workdir(spec)
+    workdir = common.workdir_of(FLAGS.workdir, spec)
     common.note_accelerator(spec)
     common.run_job(CONFIG.value, workdir,
                    lambda: training.train(CONFIG.value, workdir, progress=FLAGS.progress))

@@ -105,6 +105,11 @@ def _guard(key, fn, *args):
 def check(config) -> None:
     """Raise ConfigError (one line, naming the key) for the first value the run cannot use."""
     check_rules(RULES, lambda key: _get(config, key))
+    r = config.rollout
+    if r.response_length >= r.max_context:  # the first turn's prompt shares the context
+        raise ConfigError(f"rollout.response_length {r.response_length} must be below "
+                          f"rollout.max_context {r.max_context}: a turn's reply and the "
+                          f"dialogue before it share the context")
     _guard("mesh", sharding.check_cluster, config.mesh.coordinator_address,
            config.mesh.num_processes, config.mesh.process_id, config.mesh.init_timeout_s,
            config.mesh.get("heartbeat_timeout_s", 60))

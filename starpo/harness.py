@@ -1,7 +1,7 @@
 """What every phase of a run does around its own steps: the workdir, config.json, the first
 log lines and the memory plan, the SIGTERM stop, checkpoint resumes and the metrics writer.
 
-    resuming = harness.check_workdir(workdir, config)   # reads only: fails before any work
+    resuming = harness.check_workdir(workdir, config)   # leaves nothing: fails before any work
     with harness.Stop() as stop:                       # SIGTERM / Ctrl-C: finish the step
         stoppers = harness.asked_to_stop(stop)         # every process stops at the same step
     harness.raise_if_stopped(stoppers, n, total)       # `Stopped`: the checkpoint is saved
@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 
 import jax
 
@@ -136,19 +137,38 @@ def check_resumable(saved_json: str, config) -> None:
 
 def check_workdir(workdir: str, config) -> bool:
     """Whether `workdir` holds a run to resume, checking that it has this config and that the
-    workdir can be created or written. Reads only: nothing is created or written here."""
+    workdir can be created or written. Leaves nothing behind: writability is tried with an
+    empty folder made and removed in the workdir, or where it is not yet, in its nearest
+    existing parent (`os.access` says yes to root on read-only places such as /sys)."""
+    if not workdir or not workdir.strip():
+        raise ValueError("workdir is empty")
     path = os.path.join(workdir, "config.json")
     resuming = os.path.isfile(path)
     if resuming:
         with open(path, encoding="utf-8") as f:
-            check_resumable(f.read(), config)
+            text = f.read()
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{path} is not a run's config ({first_line(e)}); use another "
+                             f"--workdir or remove it") from None
+        check_resumable(text, config)
     existing = os.path.abspath(workdir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"workdir {workdir} is not writable ({existing} is not a writable "
-                         f"directory)")
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".starpo-probe-", dir=existing))
+    except OSError as e:
+        why = f"{e.strerror} in {existing}" if e.strerror else first_line(e)
+        raise ValueError(f"workdir {workdir} cannot be written ({why})") from None
     return resuming
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def write_config(workdir: str, config) -> None:

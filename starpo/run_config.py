@@ -425,8 +425,13 @@ def config_from_json(text: str):
 
 def saved_config(workdir: str):
     """The config a run in `workdir` was saved with (its config.json)."""
-    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-        return config_from_json(f.read())
+    path = os.path.join(workdir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return config_from_json(text)
+    except ValueError as e:  # a broken file (json's errors are ValueErrors)
+        raise ValueError(f"{path} is not a run's config ({str(e).splitlines()[0]})") from None
 
 
 def find_run(path: str) -> str:

@@ -353,11 +353,19 @@ def initialize_distributed(mode: str = "auto", environ=None, *, coordinator_addr
         return False
     if coordinator_address and process_id > 0:
         wait_for_coordinator(coordinator_address, init_timeout_s)
-    jax.distributed.initialize(coordinator_address=coordinator_address or None,
-                               num_processes=num_processes or None,
-                               process_id=None if process_id < 0 else process_id,
-                               initialization_timeout=int(init_timeout_s),
-                               heartbeat_timeout_seconds=int(2 * heartbeat_timeout_s + 10))
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address or None,
+                                   num_processes=num_processes or None,
+                                   process_id=None if process_id < 0 else process_id,
+                                   initialization_timeout=int(init_timeout_s),
+                                   heartbeat_timeout_seconds=int(2 * heartbeat_timeout_s + 10))
+    except ValueError as e:  # JAX found no cluster to detect what was left unset from
+        if explicit:
+            raise
+        raise ValueError(f"mesh.distributed={mode}: JAX detected no cluster here ("
+                         f"{str(e).strip().splitlines()[0]}); name it with "
+                         f"mesh.coordinator_address=HOST:PORT, mesh.num_processes and "
+                         f"mesh.process_id, or use mesh.distributed=auto") from None
     if jax.process_count() > 1:
         warm_up_collectives()
         Liveness.start(heartbeat_timeout_s)

@@ -610,5 +610,9 @@ def model_kind(spec: str) -> str:
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise LoadError(f"{spec}: no such model file")
+        with open(spec, "rb") as f:  # the file's first four bytes, not its name, make it one
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise LoadError(f"{spec}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
         return "gguf"
     raise LoadError(f"unknown model {spec!r}: expected {', '.join(MODEL_NAMES)}")

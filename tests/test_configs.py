@@ -152,7 +152,7 @@ BAD = {
     "rollout.max_turn": ["x", "0"],
     "rollout.max_actions_per_turn": ["x", "-1"],
     "rollout.max_actions_per_traj": ["x", "-1"],
-    "rollout.response_length": ["x", "0"],
+    "rollout.response_length": ["x", "0", "100000"],  # not below rollout.max_context
     "rollout.max_context": ["x", "0"],
     "rollout.temperature": ["x", "0", "-1", "nan", "inf"],
     "rollout.top_p": ["x", "0", "1.5"],
@@ -311,6 +311,28 @@ def test_bad_config_files_and_keys_are_one_line_errors(argv):
     with pytest.raises(common.UsageError) as e:
         parse(["train.py", *argv])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("body, words", [
+    ('def get_config():\n    raise RuntimeError("boom")\n',
+     ["get_config() raised RuntimeError: boom"]),
+    ("def get_config():\n    return 5\n", ["get_config() returned int 5, not a ConfigDict"]),
+    ("x = 1\n", ["defines no get_config()"]),
+])
+def test_a_config_file_that_fails_or_returns_no_config_is_one_line(tmp_path, monkeypatch,
+                                                                     body, words):
+    """A user's own config file: what its get_config() raises or returns, named in one line
+    with the file (not a traceback, nor "unknown config key")."""
+    # ml_collections loads every config file into one module of this name, reused in a process
+    # (a file without get_config() would find the previous file's): fresh here, as in a CLI
+    monkeypatch.delitem(sys.modules, "config_config", raising=False)
+    path = tmp_path / "mine.py"
+    path.write_text(body)
+    with pytest.raises(common.UsageError) as e:
+        parse(["train.py", f"--config={path}"])
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message, message
+    assert all(w in message for w in words), message
 
 
 def run_train(*args):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from configs import bandit, frozenlake, sokoban, sudoku
+from launch import common
 from starpo import harness, precision, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +141,28 @@ def test_missing_model_and_unwritable_workdir(tmp_path):
     blocker.write_text("x")
     p = run_cli("launch/train.py", "--config=configs/frozenlake.py:tiny",
                 f"--workdir={blocker}/run")
-    assert p.returncode == 2 and "not writable" in p.stderr, p.stderr
+    assert p.returncode == 2 and "cannot be written" in p.stderr, p.stderr
+
+
+def test_a_workdir_is_tried_for_writing_and_its_config_read_before_any_work(tmp_path):
+    """check_workdir: an empty name, a folder that cannot be made (a path under a file) and a
+    broken config.json are one-line ValueErrors naming the cause; the try leaves nothing."""
+    config = bandit.get_config("tiny")
+    with pytest.raises(ValueError, match="workdir is empty"):
+        harness.check_workdir("", config)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="cannot be written .*file is not a directory"):
+        harness.check_workdir(str(tmp_path / "file" / "run"), config)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{bad")
+    with pytest.raises(ValueError, match="config.json is not a run's config"):
+        harness.check_workdir(str(broken), config)
+    assert harness.check_workdir(str(tmp_path / "new" / "run"), config) is False
+    assert sorted(os.listdir(tmp_path)) == ["broken", "file"]  # the probe left nothing
+    with pytest.raises(ValueError, match="--workdir is empty"):
+        common.workdir_of(" ", "configs/bandit.py:tiny")
+    assert common.workdir_of(None, "configs/bandit.py:tiny", "_sft") == "runs/bandit_tiny_sft"
 
 
 def test_eval_and_export_need_a_run(tmp_path):

@@ -201,6 +201,10 @@ def test_corrupt_files(tmp_path, tiny_tokenizer):
         weights.load_model(str(tmp_path / "cut.gguf"))
     with pytest.raises(weights.LoadError, match="no such model file"):
         weights.load_model(str(tmp_path / "absent.gguf"))
+    # a file named .gguf that is not one is refused by its first bytes, before any loading
+    (tmp_path / "text.gguf").write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(weights.LoadError, match="text.gguf: not a GGUF file"):
+        weights.model_kind(str(tmp_path / "text.gguf"))
 
 
 def test_unknown_model_name_and_tiny_options():
