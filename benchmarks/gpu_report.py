@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from launch import common
+
 # Qwen2.5-0.5B's exact shape with random weights (no download)
 QWEN05 = ("random:layers=24,hidden=896,heads=14,kv_heads=2,head_dim=64,mlp=4864,vocab=151936,"
           "qkv_bias=1,tie=1")
@@ -253,7 +255,7 @@ def verdicts(head: dict) -> dict:
 
 def arguments(argv=None) -> argparse.Namespace:
     """The command line's arguments, or SystemExit with a one-line error (an unknown step)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.ArgParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu-report", help="folder for report.json and the logs")
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
     p.add_argument("--steps", default="tests,update,sampler,decode,iteration,card24",
@@ -276,9 +278,16 @@ def arguments(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU check of the command)")
     a = p.parse_args(argv)
     known = steps(a)
-    unknown = [n for n in a.steps.split(",") if n and n not in known and n != "xla"]
-    if unknown:
-        sys.exit(f"error: --steps: unknown {', '.join(unknown)} (known: {', '.join(known)}, xla)")
+    chosen = [n for n in a.steps.split(",") if n]
+    unknown = [n for n in chosen if n not in known and n != "xla"]
+    p.check(not unknown, f"--steps: unknown {', '.join(unknown)} (known: {', '.join(known)}, xla)")
+    p.check(bool(chosen), f"--steps names no step (known: {', '.join(known)}, xla)")
+    for flag in ("step_s", "tests_s", "workers", "pool_gb"):
+        p.check(getattr(a, flag) > 0, f"--{flag} must be > 0, got {getattr(a, flag)}")
+    missing = [t for t in a.tests.split(",") if not os.path.isfile(t.split("::")[0])]
+    p.check("tests" not in chosen or not missing, f"--tests: no such file {missing[:1]}")
+    p.check(not os.path.exists(a.out) or os.path.isdir(a.out),
+            f"--out {a.out} is a file; give a folder")
     return a
 
 
@@ -286,7 +295,10 @@ def main(argv=None):
     a = arguments(argv)
     plan = steps(a)
     chosen = [n for n in a.steps.split(",") if n]
-    os.makedirs(a.out, exist_ok=True)
+    try:  # a folder that cannot be made fails now, not after the first step
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        common.fail(f"--out {a.out} cannot be made ({e.strerror})")
     report = {"argv": sys.argv[1:], "model": TINY if a.quick else a.model,
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               # the steps inherit the environment: XLA flags under trial (CUDA graphs of the

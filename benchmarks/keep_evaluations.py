@@ -12,12 +12,13 @@ kept, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 import tarfile
+
+from launch import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # repro/<run>/config.json and repro/<run>/eval/<tags>.json (a leading ./ as tar writes it)
@@ -54,7 +55,7 @@ def keep(tgz: str, into: str) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.ArgParser(description=__doc__.split("\n\n")[0])
     p.add_argument("lease", help="a lease's lease.tgz")
     p.add_argument("--into", default=os.path.join(ROOT, "results", "smollm2_gpu"),
                    help="the kept evaluations' folder")
@@ -65,6 +66,8 @@ def main(argv=None):
         out = keep(a.lease, a.into)
     except (tarfile.TarError, OSError) as e:
         sys.exit(f"error: {a.lease}: not a readable lease archive ({e})")
+    if not out["kept"] and not out["already"]:
+        print(f"note: {a.lease} holds no run with evaluations (nothing kept)", file=sys.stderr)
     for run in out["kept"]:
         print(f"kept {run}")
     print(json.dumps(out))

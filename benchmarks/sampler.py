@@ -14,7 +14,6 @@ one JSON object.
 Run from the repository root: `python -m` puts it on the import path.
 """
 
-import argparse
 import json
 import os
 import resource
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch import common
 from starpo import precision, sampler, weights
 
 TEXT = ("You are solving the Sokoban puzzle. You are the player and you need to push all boxes "
@@ -238,7 +238,7 @@ def compare_torch(a, rows, result) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.ArgParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt_len", type=int, default=256)
@@ -255,6 +255,12 @@ def main():
                         "(starpo/decode_attention.py; interpreted off a GPU: slow)")
     p.add_argument("--torch", choices=["auto", "no"], default="auto")
     a = p.parse_args()
+    for flag in ("batch", "prompt_len", "new_tokens", "repeats"):
+        p.check(getattr(a, flag) >= 1, f"--{flag} must be >= 1, got {getattr(a, flag)}")
+    p.dtype(a.dtype, "--dtype")
+    p.dtype(a.cache_dtype, "--cache_dtype")
+    p.dtype(a.prefill_dtype, "--prefill_dtype", ("auto", "float32", "bfloat16"))
+    p.model(a.model)
 
     if a.prefill_dtype == "auto":
         a.prefill_dtype = precision.compute_bound_dtype()

@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from launch import common
+
 
 
 def random_tokens(batch, seq_len, vocab, seed=0):
@@ -200,7 +202,7 @@ def run_worker(name: str, argv: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------- main
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.ArgParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=512)
@@ -236,14 +238,24 @@ def main():
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--torch_device", default="cpu", help=argparse.SUPPRESS)
     a = p.parse_args()
+    for flag in ("batch", "seq_len", "micro_batch", "steps"):
+        p.check(getattr(a, flag) >= 1, f"--{flag} must be >= 1, got {getattr(a, flag)}")
     a.micro_batch = min(a.micro_batch, a.batch)
-    if a.lora_rank < 0 or a.lora_alpha <= 0:
-        raise SystemExit(f"error: --lora_rank must be >= 0 and --lora_alpha > 0, got "
-                         f"{a.lora_rank} and {a.lora_alpha}")
+    p.check(a.batch % a.micro_batch == 0,
+            f"--micro_batch {a.micro_batch} does not divide --batch {a.batch}")
+    p.check(a.logit_chunk >= 0 and a.compare_logit_chunk >= -1,
+            "--logit_chunk must be >= 0 and --compare_logit_chunk >= -1")
+    p.check(a.remat in (0, 1), f"--remat must be 1 or 0, got {a.remat}")
+    p.dtype(a.dtype, "--dtype", ("auto", "float32", "bfloat16"))
+    from starpo import model as model_lib
+
+    p.check(a.attention in model_lib.ATTENTION,
+            f"--attention must be one of {', '.join(model_lib.ATTENTION)}, got {a.attention!r}")
+    p.model(a.model)
+    p.check(a.lora_rank >= 0 and a.lora_alpha > 0, f"--lora_rank must be >= 0 and "
+            f"--lora_alpha > 0, got {a.lora_rank} and {a.lora_alpha}")
     unknown = [v for v in a.torch_variants.split(",") if f"torch_{v}" not in WORKERS]
-    if unknown:
-        raise SystemExit(f"error: unknown --torch_variants entry {unknown[0]!r} "
-                         "(float32, bf16_autocast)")
+    p.check(not unknown, f"unknown --torch_variants entry {unknown[:1]} (float32, bf16_autocast)")
     if a.worker:
         print(json.dumps(WORKERS[a.worker](a)))
         return
@@ -254,6 +266,8 @@ def main():
             f"--remat={a.remat}", f"--remat_policy={a.remat_policy}", f"--steps={a.steps}",
             f"--attention={a.attention}"]
     setup = run_worker("setup", argv + [f"--dtype={a.dtype}"])
+    p.check(a.attention != "cudnn" or setup["backend"] == "gpu",
+            f"--attention=cudnn needs an NVIDIA GPU; JAX runs on {setup['backend']} here")
     argv += [f"--dtype={setup['dtype']}", f"--torch_device={setup['torch_device']}"]
     tokens = a.batch * a.seq_len
     jx = run_worker("jax", argv + ["--lora_rank=0"]

@@ -24,18 +24,23 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import envs
 from configs.frozenlake import OPTIONS
 from envs import frozenlake, solvers
+from launch import common
 from starpo import rollout
 
-flags.DEFINE_integer("levels", 256, "Held-out levels (validation seeds 0..levels-1).")
-flags.DEFINE_integer("moves", 3, "Moves, one a turn (the cpu config's rollout.max_turn).")
+flags.DEFINE_integer("levels", 256, "Held-out levels (validation seeds 0..levels-1).",
+                     lower_bound=1)
+flags.DEFINE_integer("moves", 3, "Moves, one a turn (the cpu config's rollout.max_turn).",
+                     lower_bound=1)
 flags.DEFINE_bool("slippery", True, "The paper's slippery lake (else every move goes where meant).")
-flags.DEFINE_integer("per_turn", 5, "Moves a turn of the budget optimum (the env's budget).")
-flags.DEFINE_integer("per_episode", 10, "Moves an episode of the budget optimum (the env's).")
+flags.DEFINE_integer("per_turn", 5, "Moves a turn of the budget optimum (the env's budget).",
+                     lower_bound=1)
+flags.DEFINE_integer("per_episode", 10, "Moves an episode of the budget optimum (the env's).",
+                     lower_bound=1)
 FLAGS = flags.FLAGS
 
 
@@ -180,4 +185,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)  # a bad flag: one line `error: ...`

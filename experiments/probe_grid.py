@@ -22,7 +22,6 @@ Run from the repository root: `python -m` puts it on the import path.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -33,6 +32,7 @@ import optax
 
 import envs
 from envs import solvers
+from launch import common
 from starpo import model as model_lib
 
 # token ids: cells by grid code (0 frozen, 1 hole, 2 goal), the player, newline; then the
@@ -107,7 +107,7 @@ def levels(rng, batch, a, optimal_moves):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = common.ArgParser()
     for name, default in dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128,
                               theta=100, size=3, history=0, prefix=0, suffix=14, seed=0,
                               batch=128, steps=600).items():
@@ -117,6 +117,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not 0 <= a.suffix <= MAX_SUFFIX:
         p.error(f"--suffix must be in [0, {MAX_SUFFIX}], got {a.suffix}")
+    for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "mlp", "theta", "size",
+                 "batch", "steps"):
+        p.check(getattr(a, name) >= 1, f"--{name} must be >= 1, got {getattr(a, name)}")
+    p.check(a.history >= 0 and a.prefix >= 0 and a.lr > 0 and a.wd >= 0,
+            "--history and --prefix must be >= 0, --lr > 0 and --wd >= 0")
     cfg = model_lib.ModelConfig(
         vocab_size=VOCAB, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
         num_kv_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.mlp,

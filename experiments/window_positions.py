@@ -19,15 +19,18 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from launch import common
 from starpo import experiment, rollout, run_config
 from starpo import update as update_lib
 
 flags.DEFINE_string("run", None, "A training workdir (its latest checkpoint).", required=True)
-flags.DEFINE_integer("window", 1, "Turns a reply sees besides the prompt prefix (>= 1).")
-flags.DEFINE_integer("levels", 128, "Validation levels played, one episode each.")
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
+flags.DEFINE_integer("window", 1, "Turns a reply sees besides the prompt prefix (>= 1).",
+                     lower_bound=1)
+flags.DEFINE_integer("levels", 128, "Validation levels played, one episode each.",
+                     lower_bound=1)
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature.", lower_bound=0.0)
 FLAGS = flags.FLAGS
 
 
@@ -92,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main)  # a bad flag or run: one line `error: ...`

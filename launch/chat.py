@@ -29,11 +29,19 @@ def main(_):
 
     from starpo import sampler, weights
 
+    if not FLAGS.prompt.strip():
+        raise ValueError("--prompt is empty; give the user message")
+    weights.model_kind(FLAGS.model)  # a bad name or file fails before anything loads
     t0 = time.perf_counter()
     m = weights.load_model(FLAGS.model)
     messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) + [
         {"role": "user", "content": FLAGS.prompt}]
     ids = m.tokenizer.encode(m.tokenizer.apply_chat_template(messages))
+    limit = m.cfg.max_position_embeddings  # the cache holds prompt and reply
+    if len(ids) + FLAGS.max_new_tokens > limit:
+        raise ValueError(f"--max_new_tokens {FLAGS.max_new_tokens} and the prompt's {len(ids)} "
+                         f"tokens exceed the model's {limit} positions; use at most "
+                         f"{max(limit - len(ids), 0)}")
     prompt = jnp.asarray([ids], jnp.int32)
     s = sampler.make_sampler(m.cfg, m.tokenizer, FLAGS.max_new_tokens)
     state = sampler.init_state(m.cfg, 1, len(ids) + FLAGS.max_new_tokens)

@@ -1,4 +1,5 @@
-"""What every entry point shares: the config flag, and one-line errors instead of a traceback wall.
+"""What every entry point shares: the config flag, and one-line errors instead of a traceback wall
+(the benchmarks' and experiments' argparse command lines too: `ArgParser`).
 
     CONFIG = common.define_config("Config file, e.g. configs/frozenlake.py:cpu.")
     ...
@@ -13,6 +14,7 @@ package's files (`configs/bandit.py:tiny` or `bandit.py:tiny`) is that file: the
 commands (`starpo-train`, ...) take the README's `--config=` values from any directory.
 """
 
+import argparse
 import os
 import re
 import sys
@@ -158,6 +160,35 @@ def with_packaged_config(argv, name: str = "config"):
 def fail(message: str):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class ArgParser(argparse.ArgumentParser):
+    """The benchmarks' and experiments' argparse parser, its errors (a wrong type, a missing
+    argument, a failed `check`) one line `error: ...` and exit status 2, without the usage
+    block, as the launchers' flags:
+
+        p = common.ArgParser(description=...)
+        a = p.parse_args(argv)
+        p.check(a.batch >= 1, f"--batch must be >= 1, got {a.batch}")
+        p.model(a.model)                      # a model spec that loads (nothing loaded)"""
+
+    def error(self, message):
+        fail(message)
+
+    def check(self, ok: bool, message: str) -> None:
+        if not ok:
+            fail(message)
+
+    def model(self, spec: str, flag: str = "--model") -> None:
+        from starpo import weights
+
+        try:
+            weights.model_kind(spec)
+        except weights.LoadError as e:
+            fail(f"{flag}: {first_line(e)}")
+
+    def dtype(self, value: str, flag: str, allowed=("float32", "bfloat16")) -> None:
+        self.check(value in allowed, f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def flag_error_message(text: str) -> str:

@@ -69,8 +69,14 @@ def main(argv):
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--out {FLAGS.out}: {e.strerror}") from None
-        if not os.access(folder, os.W_OK):
-            raise ValueError(f"--out {FLAGS.out}: {folder} is not writable")
+        if os.path.isdir(FLAGS.out):
+            raise ValueError(f"--out {FLAGS.out} is a directory; give a file's path")
+        try:  # root passes os.access everywhere: a file made and removed is the real test
+            os.close(os.open(FLAGS.out + ".tmp", os.O_WRONLY | os.O_CREAT))
+            os.remove(FLAGS.out + ".tmp")
+        except OSError as e:
+            raise ValueError(f"--out {FLAGS.out}: {folder} is not writable ({e.strerror})"
+                             ) from None
     harness.enable_compilation_cache()
     if FLAGS.checkpoint:
         saved, policy, step = experiment.load_run(FLAGS.checkpoint, FLAGS.step)

@@ -28,10 +28,13 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     import jax.numpy as jnp
 
-    from starpo import experiment, lora, weights
+    from starpo import experiment, harness, lora, weights
 
+    if not FLAGS.out.strip():
+        raise ValueError("--out is empty; give the folder to write")
     if os.path.exists(FLAGS.out):
-        raise ValueError(f"{FLAGS.out} already exists")
+        raise ValueError(f"--out {FLAGS.out} already exists")
+    harness.check_can_create(FLAGS.out, "--out")  # before the checkpoint is read
     _, policy, step = experiment.load_run(FLAGS.checkpoint, FLAGS.step)
     # a LoRA run's adapters are folded into the weights (W + alpha/r A B, in float32)
     cfg, params = lora.merge(policy.cfg, policy.params, jnp.float32)

@@ -81,9 +81,18 @@ def main(argv):
         raise ValueError("--config is required, e.g. --config=configs/frozenlake.py")
     from starpo import memory, run_config
 
-    devices = [int(d) for d in FLAGS.devices]
+    if not FLAGS.models or not FLAGS.devices:
+        raise ValueError("--models and --devices each need at least one value")
+    try:
+        devices = [int(d) for d in FLAGS.devices]
+    except ValueError:
+        raise ValueError(f"--devices must be whole numbers, got {','.join(FLAGS.devices)}"
+                         ) from None
     if any(d < 1 for d in devices):
         raise ValueError(f"--devices must be >= 1, got {FLAGS.devices}")
+    if FLAGS.prompt_tokens >= CONFIG.value.rollout.max_context:
+        raise ValueError(f"--prompt_tokens {FLAGS.prompt_tokens} must be below the config's "
+                         f"rollout.max_context {CONFIG.value.rollout.max_context}")
     cfgs = {name: model_config(name) for name in FLAGS.models}  # every name checked first
     r = CONFIG.value.rollout
     # what an episode can reach (the run sizes its cache so): the prefix and every turn's

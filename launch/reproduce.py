@@ -565,6 +565,9 @@ def main(argv):
         for command, done in plan(tables, FLAGS.workdir, **settings()):
             print(("# done: " if done else "") + shown(command))
         return
+    from starpo import harness
+
+    harness.check_can_create(FLAGS.workdir, "--workdir")  # before the first run starts
     reproduce(tables, FLAGS.workdir, parallel=FLAGS.parallel, **settings())
     print("\n\n".join(format_table(t, FLAGS.workdir, FLAGS.rows, FLAGS.columns, FLAGS.variant,
                                     FLAGS.eval_groups, seeds) for t in tables))

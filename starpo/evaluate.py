@@ -117,8 +117,13 @@ def dialogue(tokenizer, traj, row: int = 0) -> str:
 
 
 def parse_tags(tags: str, default: str) -> tuple[str, ...]:
-    """`"A,B"` -> ("A", "B") with every name checked against envs.NAMES; "" -> (default,)."""
-    names = tuple(t.strip() for t in tags.split(",") if t.strip()) or (default,)
+    """`"A,B"` -> ("A", "B") with every name checked against envs.NAMES; "" -> (default,);
+    an empty name between commas ("A,", ",") is an error, not the default."""
+    if not tags.strip():
+        return (default,)
+    names = tuple(t.strip() for t in tags.split(","))
+    if not all(names):
+        raise ValueError(f"env tags {tags!r} name an empty tag; known: {', '.join(envs.NAMES)}")
     for name in names:
         if name not in envs.NAMES:
             raise ValueError(f"unknown env tag {name!r}; known: {', '.join(envs.NAMES)}")

@@ -137,9 +137,7 @@ def check_resumable(saved_json: str, config) -> None:
 
 def check_workdir(workdir: str, config) -> bool:
     """Whether `workdir` holds a run to resume, checking that it has this config and that the
-    workdir can be created or written. Leaves nothing behind: writability is tried with an
-    empty folder made and removed in the workdir, or where it is not yet, in its nearest
-    existing parent (`os.access` says yes to root on read-only places such as /sys)."""
+    workdir can be created or written (`check_can_create`: it leaves nothing behind)."""
     if not workdir or not workdir.strip():
         raise ValueError("workdir is empty")
     path = os.path.join(workdir, "config.json")
@@ -153,7 +151,15 @@ def check_workdir(workdir: str, config) -> bool:
             raise ValueError(f"{path} is not a run's config ({first_line(e)}); use another "
                              f"--workdir or remove it") from None
         check_resumable(text, config)
-    existing = os.path.abspath(workdir)
+    check_can_create(workdir, "workdir")
+    return resuming
+
+
+def check_can_create(path: str, what: str) -> None:
+    """ValueError (one line, `what` naming the flag) where `path` cannot be made or written:
+    an empty folder is made and removed in it, or where it is not yet, in its nearest existing
+    parent (`os.access` says yes to root on read-only places such as /sys)."""
+    existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     try:
@@ -162,8 +168,7 @@ def check_workdir(workdir: str, config) -> bool:
         os.rmdir(tempfile.mkdtemp(prefix=".starpo-probe-", dir=existing))
     except OSError as e:
         why = f"{e.strerror} in {existing}" if e.strerror else first_line(e)
-        raise ValueError(f"workdir {workdir} cannot be written ({why})") from None
-    return resuming
+        raise ValueError(f"{what} {path} cannot be written ({why})") from None
 
 
 def first_line(e: BaseException) -> str:

@@ -307,3 +307,30 @@ def test_kernel_kinds_of_xla_gpu_and_library_kernel_names():
         "wrapped_convert": "elementwise", "rng_bit_generator": "other",
     }
     assert {name: kernel_kind(name) for name in kinds} == kinds
+
+
+@pytest.mark.parametrize("module, argv, words", [
+    ("update", ["--model=tiny", "--batch=0"], "--batch must be >= 1, got 0"),
+    ("update", ["--model=tiny", "--micro_batch=3"], "--micro_batch 3 does not divide --batch 8"),
+    ("update", ["--model=nope"], "--model: unknown model 'nope'"),
+    ("update", ["--dtype=float8"], "--dtype must be one of auto, float32, bfloat16"),
+    ("update", ["--batch=abc"], "argument --batch: invalid int value: 'abc'"),
+    ("sampler", ["--model=tiny", "--new_tokens=0"], "--new_tokens must be >= 1, got 0"),
+    ("sampler", ["--cache_dtype=float16"], "--cache_dtype must be one of float32, bfloat16"),
+    ("gpu_report", ["--steps="], "--steps names no step"),
+    ("gpu_report", ["--step_s=-1"], "--step_s must be > 0, got -1.0"),
+    ("keep_evaluations", [], "the following arguments are required: lease"),
+])
+def test_benchmark_command_lines_refuse_bad_input_in_one_line(monkeypatch, capsys, module,
+                                                               argv, words):
+    """Every benchmark's bad argument: `error: ...` in one line, exit status 2, before any
+    work (`launch.common.ArgParser`; nothing is loaded or run in these cases)."""
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{module}").main
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert words in err[0], err

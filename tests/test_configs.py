@@ -165,7 +165,7 @@ BAD = {
     "val.temperature": ["x", "-0.5", "nan"],
     "val.test_freq": ["x", "-1"],
     "val.before_train": ["maybe"],
-    "val.tags": ["Chess", "Bandit,Bandit"],
+    "val.tags": ["Chess", "Bandit,Bandit", ",", "Bandit,"],
     "val.batch_size": ["x", "-1", "3", "100000"],
     "trainer.total_steps": ["x", "-1"],
     "trainer.save_freq": ["x", "-1"],

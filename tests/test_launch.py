@@ -170,6 +170,15 @@ def test_eval_and_export_need_a_run(tmp_path):
     assert p.returncode == 2 and "not a training workdir" in p.stderr, p.stderr
     p = run_cli("launch/export.py", f"--checkpoint={tmp_path}", f"--out={tmp_path}/x")
     assert p.returncode == 2 and "not a training workdir" in p.stderr, p.stderr
+    # the output places are tried before a checkpoint is read (this one is not even a run)
+    (tmp_path / "file").write_text("x")
+    p = run_cli("launch/export.py", f"--checkpoint={tmp_path}", f"--out={tmp_path}/file/x")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: --out {tmp_path}/file/x cannot be written ({tmp_path}/file is not a "
+        f"directory)"], p.stderr
+    p = run_cli("launch/eval.py", f"--checkpoint={tmp_path}", f"--out={tmp_path}")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: --out {tmp_path} is a directory; give a file's path"], p.stderr
     # eval plays val.batch_size episodes at a time: a set it does not divide is refused
     p = run_cli("launch/eval.py", "--config=configs/bandit.py:tiny", "--config.val.batch_size=8",
                 "--groups=3")
