@@ -90,9 +90,6 @@ def main(argv):
                          ) from None
     if any(d < 1 for d in devices):
         raise ValueError(f"--devices must be >= 1, got {FLAGS.devices}")
-    if FLAGS.prompt_tokens >= CONFIG.value.rollout.max_context:
-        raise ValueError(f"--prompt_tokens {FLAGS.prompt_tokens} must be below the config's "
-                         f"rollout.max_context {CONFIG.value.rollout.max_context}")
     cfgs = {name: model_config(name) for name in FLAGS.models}  # every name checked first
     r = CONFIG.value.rollout
     # what an episode can reach (the run sizes its cache so): the prefix and every turn's

@@ -281,6 +281,10 @@ def train(config, workdir: str, *, progress: bool = True, stop_after: int | None
     config_check.check(config)
     resuming = harness.check_workdir(workdir, config)
     run = run_config.read(config)  # the one reading: what follows takes its typed parts
+    warmup, total = run.algo.critic_warmup, run.trainer.total_steps
+    if run.algo.uses_critic and 0 < total <= warmup and jax.process_index() == 0:
+        log(f"note: algorithm.critic_warmup {warmup} >= trainer.total_steps {total}: only "
+            f"the critic trains in this run (the actor from step {warmup + 1} on resume)")
     if run.trainer.offload_state and not update_lib.can_offload(jax.devices()[0]):
         raise run_config.ConfigError(
             f"trainer.offload_state: the {jax.devices()[0].platform} device here has no "
