@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from launch import common
+from starpo import cli
 
 # Qwen2.5-0.5B's exact shape with random weights (no download)
 QWEN05 = ("random:layers=24,hidden=896,heads=14,kv_heads=2,head_dim=64,mlp=4864,vocab=151936,"
@@ -255,7 +255,7 @@ def verdicts(head: dict) -> dict:
 
 def arguments(argv=None) -> argparse.Namespace:
     """The command line's arguments, or SystemExit with a one-line error (an unknown step)."""
-    p = common.ArgParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu-report", help="folder for report.json and the logs")
     p.add_argument("--model", default=QWEN05, help="model spec of the benchmarks")
     p.add_argument("--steps", default="tests,update,sampler,decode,iteration,card24",
@@ -298,7 +298,7 @@ def main(argv=None):
     try:  # a folder that cannot be made fails now, not after the first step
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
-        common.fail(f"--out {a.out} cannot be made ({e.strerror})")
+        cli.fail(f"--out {a.out} cannot be made ({e.strerror})")
     report = {"argv": sys.argv[1:], "model": TINY if a.quick else a.model,
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               # the steps inherit the environment: XLA flags under trial (CUDA graphs of the

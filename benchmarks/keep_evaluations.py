@@ -18,7 +18,7 @@ import re
 import sys
 import tarfile
 
-from launch import common
+from starpo import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # repro/<run>/config.json and repro/<run>/eval/<tags>.json (a leading ./ as tar writes it)
@@ -55,7 +55,7 @@ def keep(tgz: str, into: str) -> dict:
 
 
 def main(argv=None):
-    p = common.ArgParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgParser(description=__doc__.split("\n\n")[0])
     p.add_argument("lease", help="a lease's lease.tgz")
     p.add_argument("--into", default=os.path.join(ROOT, "results", "smollm2_gpu"),
                    help="the kept evaluations' folder")

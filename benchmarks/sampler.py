@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from launch import common
-from starpo import precision, sampler, weights
+from starpo import cli, precision, sampler, weights
 
 TEXT = ("You are solving the Sokoban puzzle. You are the player and you need to push all boxes "
         "to targets. When you are right next to a box, you can push it by moving in the same "
@@ -238,7 +237,7 @@ def compare_torch(a, rows, result) -> None:
 
 
 def main():
-    p = common.ArgParser(description=__doc__.split("\n")[0])
+    p = cli.ArgParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt_len", type=int, default=256)

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from launch import common
+from starpo import cli
 
 
 
@@ -202,7 +202,7 @@ def run_worker(name: str, argv: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------- main
 def main():
-    p = common.ArgParser(description=__doc__.split("\n")[0])
+    p = cli.ArgParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=512)

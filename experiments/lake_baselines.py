@@ -29,8 +29,7 @@ from absl import flags
 import envs
 from configs.frozenlake import OPTIONS
 from envs import frozenlake, solvers
-from launch import common
-from starpo import rollout
+from starpo import cli, rollout
 
 flags.DEFINE_integer("levels", 256, "Held-out levels (validation seeds 0..levels-1).",
                      lower_bound=1)
@@ -185,4 +184,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run(main)  # a bad flag: one line `error: ...`
+    cli.run(main)  # a bad flag: one line `error: ...`

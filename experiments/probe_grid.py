@@ -32,7 +32,7 @@ import optax
 
 import envs
 from envs import solvers
-from launch import common
+from starpo import cli
 from starpo import model as model_lib
 
 # token ids: cells by grid code (0 frozen, 1 hole, 2 goal), the player, newline; then the
@@ -107,7 +107,7 @@ def levels(rng, batch, a, optimal_moves):
 
 
 def main(argv=None):
-    p = common.ArgParser()
+    p = cli.ArgParser()
     for name, default in dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128,
                               theta=100, size=3, history=0, prefix=0, suffix=14, seed=0,
                               batch=128, steps=600).items():

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from launch import common
-from starpo import experiment, rollout, run_config
+from starpo import cli, experiment, rollout, run_config
 from starpo import update as update_lib
 
 flags.DEFINE_string("run", None, "A training workdir (its latest checkpoint).", required=True)
@@ -95,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run(main)  # a bad flag or run: one line `error: ...`
+    cli.run(main)  # a bad flag or run: one line `error: ...`

@@ -1,5 +1,5 @@
-"""What every entry point shares: the config flag, and one-line errors instead of a traceback wall
-(the benchmarks' and experiments' argparse command lines too: `ArgParser`).
+"""What every launcher shares: the config flag, and one-line errors instead of a traceback wall
+(`starpo.cli`, which the benchmarks' and experiments' command lines use too).
 
     CONFIG = common.define_config("Config file, e.g. configs/frozenlake.py:cpu.")
     ...
@@ -14,13 +14,15 @@ package's files (`configs/bandit.py:tiny` or `bandit.py:tiny`) is that file: the
 commands (`starpo-train`, ...) take the README's `--config=` values from any directory.
 """
 
-import argparse
 import os
 import re
 import sys
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
+
+from starpo import cli
+from starpo.cli import UsageError, fail, first_line  # noqa: F401  (the launchers' names)
 
 
 def define_config(help_text: str, name: str = "config", **kwargs):
@@ -29,30 +31,12 @@ def define_config(help_text: str, name: str = "config", **kwargs):
     return config_flags.DEFINE_config_file(name, None, help_text, **kwargs)
 
 
-class UsageError(Exception):
-    """A bad command line or config; the message is one line."""
-
-
 def run(main, config_flag=None, check_config=False):
-    """`absl.app.run(main)`, turning expected failures into `error: ...` and exit status 2.
+    """`absl.app.run(main)`, turning expected failures into `error: ...` and exit status 2
+    (`starpo.cli.run`), the config flag parsed here (`parse_flags`).
 
     check_config: also check every config value (`starpo.config_check`) before `main` runs."""
-    from starpo.weights import LoadError
-
-    def parse(argv):
-        try:
-            return parse_flags(argv, flags.FLAGS, config_flag, check_config)
-        except UsageError as e:
-            fail(str(e))
-
-    def wrapped(argv):
-        logging.set_verbosity(logging.WARNING)  # JAX's backend probing is noise for users
-        try:
-            return main(argv)
-        except (LoadError, ValueError, OSError) as e:  # OSError: a folder or file refused
-            fail(first_line(e))
-
-    app.run(wrapped, flags_parser=parse)
+    cli.run(main, lambda argv: parse_flags(argv, flags.FLAGS, config_flag, check_config))
 
 
 def parse_flags(argv, flag_values, config_flag=None, check_config=False):
@@ -157,40 +141,6 @@ def with_packaged_config(argv, name: str = "config"):
     return out
 
 
-def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-class ArgParser(argparse.ArgumentParser):
-    """The benchmarks' and experiments' argparse parser, its errors (a wrong type, a missing
-    argument, a failed `check`) one line `error: ...` and exit status 2, without the usage
-    block, as the launchers' flags:
-
-        p = common.ArgParser(description=...)
-        a = p.parse_args(argv)
-        p.check(a.batch >= 1, f"--batch must be >= 1, got {a.batch}")
-        p.model(a.model)                      # a model spec that loads (nothing loaded)"""
-
-    def error(self, message):
-        fail(message)
-
-    def check(self, ok: bool, message: str) -> None:
-        if not ok:
-            fail(message)
-
-    def model(self, spec: str, flag: str = "--model") -> None:
-        from starpo import weights
-
-        try:
-            weights.model_kind(spec)
-        except weights.LoadError as e:
-            fail(f"{flag}: {first_line(e)}")
-
-    def dtype(self, value: str, flag: str, allowed=("float32", "bfloat16")) -> None:
-        self.check(value in allowed, f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-
-
 def flag_error_message(text: str) -> str:
     """One line from absl's flag error; a config file's own exception (its traceback is inside
     the message) is reduced to that exception's line, e.g. `unknown config variant 'gpu'`."""
@@ -200,11 +150,6 @@ def flag_error_message(text: str) -> str:
         kind, sep, message = last.partition(": ")
         return f"config: {message if sep and kind.isidentifier() else last}"
     return lines[0] if lines else "bad flag"
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def unknown_key_message(error: str, argv) -> str:
