@@ -119,3 +119,18 @@ def test_the_budget_optimum_equals_a_search_over_every_move_sequence():
     lengths = [int(env.shortest_path(jax.tree_util.tree_map(lambda x: x[i], states)))
                for i in range(32)]
     assert plain["budget optimum"] == round(float(np.mean([0 < m <= 5 for m in lengths])), 4)
+
+
+def test_a_bad_flag_is_one_line_before_any_work():
+    """--moves=-1 once recursed 1,807 lines deep, --levels=0 printed a table of NaNs: each
+    count is at least 1, and a bad value is one line `error: ...`, exit status 2
+    (`starpo.cli.run`, as every command line of the repository)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "experiments.lake_baselines", "--moves=-1"],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: flag --moves=-1: -1 is not a positive integer"], p.stderr
