@@ -22,7 +22,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from starpo import cli
-from starpo.cli import UsageError, fail, first_line  # noqa: F401  (the launchers' names)
+from starpo.cli import UsageError, first_line
 
 
 def define_config(help_text: str, name: str = "config", **kwargs):

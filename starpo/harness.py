@@ -34,6 +34,7 @@ from starpo import lora, memory
 from starpo import metrics as metrics_lib
 from starpo import model as model_lib
 from starpo import sharding, weights
+from starpo.cli import first_line
 
 # Fields a resumed run may change; any other difference means "this is a different run".
 # A checkpoint restores onto any mesh, so the mesh may change too; the length the update's
@@ -169,11 +170,6 @@ def check_can_create(path: str, what: str) -> None:
     except OSError as e:
         why = f"{e.strerror} in {existing}" if e.strerror else first_line(e)
         raise ValueError(f"{what} {path} cannot be written ({why})") from None
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def write_config(workdir: str, config) -> None:

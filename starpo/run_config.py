@@ -22,6 +22,7 @@ import ml_collections
 import envs
 from starpo import advantages as adv_lib
 from starpo import checkpoint as ckpt_lib
+from starpo import cli
 from starpo import dialogue, evaluate, filtering, losses
 from starpo import rollout as rollout_lib
 from starpo.precision import phase_dtypes
@@ -431,7 +432,7 @@ def saved_config(workdir: str):
     try:
         return config_from_json(text)
     except ValueError as e:  # a broken file (json's errors are ValueErrors)
-        raise ValueError(f"{path} is not a run's config ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"{path} is not a run's config ({cli.first_line(e)})") from None
 
 
 def find_run(path: str) -> str:
