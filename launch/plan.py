@@ -16,10 +16,19 @@ takes the model's heads; "tpu" in bfloat16 with XLA's attention; "cpu" in float3
 blockwise CPU attention (`--dtype` overrides the dtype). The prompt prefix and each observation
 are taken as `--prompt_tokens` long (an upper value: with the SmolLM2 tokenizer FrozenLake's are
 156 and 115 tokens), which also sizes the cache to what an episode reaches.
+
+With `--topology` (a TPU slice, e.g. v5e:2x2, v4:2x2x2, v5e:16x16; needs libtpu:
+`pip install -r requirements-tpu.txt`) it compiles instead every program the run executes for
+that slice, on this machine, with no TPU (`starpo/aot.py`): the run's mesh over the slice's
+chips (its hosts' processes included), each model of `--models` at its shape with the config's
+tokenizer. A row a program: compile seconds, XLA's bytes per chip, the memory plan's figure,
+the chip's HBM and the TPU cost model's estimate of one call (the compiler's, never a measured
+time). It exits with a one-line error where a program does not fit in 90% of a chip's HBM.
 """
 
 import dataclasses
 import json
+import sys
 
 if not __package__:  # run as a file from a checkout: launch/_checkout.py puts its root first
     import _checkout  # noqa: F401
@@ -37,6 +46,8 @@ flags.DEFINE_enum("backend", "gpu", ["gpu", "tpu", "cpu"],
 flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float32"],
                   "Decode and update matmul dtype; auto: the backend's (float32 on cpu).")
 flags.DEFINE_integer("prompt_tokens", 256, "Tokens of the first prompt chunk.", lower_bound=1)
+flags.DEFINE_string("topology", None, "A TPU slice to compile every program for (e.g. "
+                    "v5e:2x2): replaces --devices and --backend (needs libtpu).")
 FLAGS = flags.FLAGS
 
 # (layers, hidden, heads, kv_heads, head_dim, mlp, vocab, qkv_bias, tied) of the models' configs
@@ -91,6 +102,8 @@ def main(argv):
     if any(d < 1 for d in devices):
         raise ValueError(f"--devices must be >= 1, got {FLAGS.devices}")
     cfgs = {name: model_config(name) for name in FLAGS.models}  # every name checked first
+    if FLAGS.topology is not None:
+        return compile_for_topology(cfgs)
     r = CONFIG.value.rollout
     # what an episode can reach (the run sizes its cache so): the prefix and every turn's
     # observation taken as --prompt_tokens long, plus the replies, in multiples of 64 slots
@@ -143,6 +156,41 @@ def main(argv):
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(json.dumps(out))
+
+
+def compile_for_topology(cfgs: dict) -> None:
+    """--topology: every program of the run compiled for the slice, a table a model shape."""
+    import jax
+
+    from starpo import aot
+
+    if FLAGS["devices"].present or FLAGS["backend"].present:
+        raise ValueError("--topology names the chips and the platform: leave out --devices "
+                         "and --backend")
+    topo = aot.topology(FLAGS.topology)  # a bad name or no libtpu: one line, before any work
+    config = CONFIG.value
+    if FLAGS.dtype != "auto":
+        config.model.dtype = FLAGS.dtype
+    from starpo import sharding
+
+    m = config.mesh
+    sharding.mesh_shape(m.data, m.fsdp, m.tensor, len(topo.devices))  # divides the chips?
+    tokenizer = aot.config_tokenizer(config)
+    out, too_big = [], []
+    for name, cfg in cfgs.items():
+        cfg = cfg.replace(vocab_size=max(cfg.vocab_size, tokenizer.vocab_size))
+        rows = aot.compile_run(config, cfg, tokenizer, topo, log=lambda line: print(
+            line, file=sys.stderr, flush=True))
+        print(f"{name} on {topo.name} (jax {jax.__version__}, libtpu {aot.libtpu_version()}):")
+        print(aot.table(rows, topo))
+        out += [{"model": name, "topology": topo.name, **aot.as_json(r)} for r in rows]
+        too_big += [(name, r) for r in rows if not r.fits]
+    print(json.dumps(out))
+    if too_big:
+        name, r = too_big[0]
+        raise ValueError(f"{name} on {topo.name}: the {r.phase} program needs "
+                         f"{r.bytes / aot.GIB:.2f} GiB per chip, over 90% of the chip's "
+                         f"{r.hbm_bytes / aot.GIB:.0f} GiB HBM")
 
 
 def cli():

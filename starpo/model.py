@@ -42,6 +42,7 @@ import numpy as np
 from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 
+from starpo.precision import backend as target_backend
 from starpo.sharding import constrain, tree_shardings
 
 # A finite "minus infinity": a padding query with no visible key gets a uniform (finite)
@@ -363,7 +364,7 @@ def kernels(cfg: ModelConfig) -> str:
     """What `cfg.attention` stands for on the default backend: "cpu", "xla" or "cudnn"."""
     if cfg.attention != "auto":
         return cfg.attention
-    backend = jax.default_backend()
+    backend = target_backend()
     if backend == "cpu":
         return "cpu"
     refused = cudnn_refusal(cfg.dtype, cfg.head_dim, gpu_capability())

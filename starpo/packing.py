@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from starpo import model as model_lib
+from starpo import precision
 from starpo.run_config import AlgoConfig
 
 
@@ -98,4 +99,4 @@ def packed_micro(micro: int) -> int:
     1), so that the micro-batches past the used sequences, which are skipped, save more; on an
     accelerator `micro`, as sized for its memory (a quarter would leave its kernels a quarter
     of the tokens each)."""
-    return max(1, micro // 4) if jax.default_backend() == "cpu" else micro
+    return max(1, micro // 4) if precision.backend() == "cpu" else micro

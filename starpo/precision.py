@@ -6,7 +6,28 @@ Master weights and matmul accumulation are float32 whatever these choose.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
+
+_TARGET: list[str] = []  # the platform programs are built for, where not this machine's
+
+
+def backend() -> str:
+    """The platform the programs being built are for: this process's default backend, or the
+    one `target` names (a TPU topology compiled ahead of time on this CPU, `starpo/aot.py`)."""
+    return _TARGET[-1] if _TARGET else jax.default_backend()
+
+
+@contextlib.contextmanager
+def target(platform: str):
+    """Within it, every choice made from the backend (dtypes, kernels, micro-batches) is made as
+    for `platform` ("cpu", "gpu" or "tpu"), whatever this machine is."""
+    _TARGET.append(platform)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
 
 
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
@@ -32,7 +53,7 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
 def compute_bound_dtype() -> str:
     """Matmul input dtype for many-row (compute-bound) matmuls on this backend: bfloat16 on
     GPU/TPU and on CPUs that multiply it natively, float32 on other CPUs."""
-    return "bfloat16" if jax.default_backend() != "cpu" or cpu_has_fast_bf16() else "float32"
+    return "bfloat16" if backend() != "cpu" or cpu_has_fast_bf16() else "float32"
 
 
 def phase_dtypes(config) -> dict[str, str]:
@@ -49,7 +70,7 @@ def phase_dtypes(config) -> dict[str, str]:
     d = config.model.dtype
     if d != "auto":
         return dict(decode=d, prefill=d, update=d)
-    if jax.default_backend() != "cpu":
+    if backend() != "cpu":
         return dict(decode="bfloat16", prefill="bfloat16", update="bfloat16")
     wide = compute_bound_dtype()
     return dict(decode="float32", prefill=wide, update=wide)

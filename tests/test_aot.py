@@ -1,0 +1,161 @@
+"""A run's programs compiled for TPU topologies on this CPU (`starpo/aot.py`, `launch/plan.py
+--topology`). The compiles need libtpu (`requirements-tpu.txt`; CI's TPU step): those tests are
+marked `tpu` and skip where it is absent. The topology names, the platform override and the
+message without libtpu are checked everywhere."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from starpo import aot, model as model_lib, precision
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed "
+                                  "(pip install -r requirements-tpu.txt)")
+
+
+# ----------------------------------------------------------------------------- everywhere
+@pytest.mark.parametrize("name, parsed", [
+    ("v5e:2x2", ("v5e", (2, 2))), ("v4:2x2x4", ("v4", (2, 2, 4))),
+    (" v6e:16x16 ", ("v6e", (16, 16))), ("v5p:2x2x2", ("v5p", (2, 2, 2)))])
+def test_a_topology_name_is_a_generation_and_its_chips(name, parsed):
+    assert aot.parse(name) == parsed
+
+
+@pytest.mark.parametrize("name, words", [
+    ("v5e-4", "GENERATION:CHIPS"), ("v3:2x2", "generations: v4, v5e"),
+    ("v5e:2x2x2", "v5e slices are NxN"), ("v4:2x2", "v4 slices are NxNxN"),
+    ("v5e:0x2", "NxN")])
+def test_a_bad_topology_name_is_one_line(name, words):
+    with pytest.raises(aot.TopologyError) as e:
+        aot.parse(name)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hosts_hold_four_chips_where_the_slice_has_them():
+    assert aot.host_bounds((1, 1)) == (1, 1, 1)
+    assert aot.host_bounds((2, 1)) == (2, 1, 1)
+    assert aot.host_bounds((16, 16)) == (2, 2, 1)
+    assert aot.host_bounds((4, 4, 8)) == (2, 2, 1)
+
+
+def test_without_libtpu_the_error_names_the_install_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else real(name, *a))
+    with pytest.raises(aot.TopologyError, match="pip install -r requirements-tpu.txt"):
+        aot.topology("v5e:2x2")
+
+
+def test_the_target_platform_decides_dtypes_and_kernels():
+    """Under `precision.target("tpu")` the choices are a TPU's on this CPU: bfloat16 in every
+    phase with model.dtype=auto, XLA's attention for `auto`, and back after."""
+    from configs import bandit
+
+    config = bandit.get_config("tiny")
+    cfg = model_lib.ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, head_dim=16, intermediate_size=64)
+    with precision.target("tpu"):
+        assert precision.backend() == "tpu"
+        if config.model.dtype == "auto":
+            assert set(precision.phase_dtypes(config).values()) == {"bfloat16"}
+        assert model_lib.kernels(cfg) == "xla"
+    assert precision.backend() == jax.default_backend()
+    if jax.default_backend() == "cpu":
+        assert model_lib.kernels(cfg) == "cpu"
+
+
+# ----------------------------------------------------------------------------- with libtpu
+@pytest.fixture(scope="module")
+def compiled_tiny():
+    """The tiny FrozenLake run with a critic, a validation set of its own size and an SFT
+    phase, compiled for a v5e 2x2 slice (4 chips, one host): every program kind."""
+    from configs import frozenlake
+    from tests.test_training import with_changes
+
+    config = with_changes(frozenlake.get_config("tiny"), rollout__env_groups=8,
+                          val__env_groups=4, sft__steps=2, sft__env_groups=4,
+                          algorithm__adv_estimator="gae", algorithm__ppo_mini_batch_size=8,
+                          algorithm__micro_batch_size=8, trainer__fast_compile=True)
+    tok = aot.config_tokenizer(config)
+    # every weight's dims multiples of 128 (a TPU pads an array's last dim to 128 lanes and
+    # the one before to 8 sublanes: so nothing but the norms is padded here)
+    cfg = model_lib.ModelConfig(vocab_size=-(-tok.vocab_size // 128) * 128, hidden_size=128,
+                                num_layers=2, num_heads=2, num_kv_heads=1, head_dim=128,
+                                intermediate_size=256)
+    topo = aot.topology("v5e:2x2")
+    return config, cfg, topo, aot.compile_run(config, cfg, tok, topo)
+
+
+@pytest.mark.tpu
+@needs_libtpu
+def test_every_program_of_a_run_compiles_for_a_v5e_slice(compiled_tiny):
+    config, cfg, topo, rows = compiled_tiny
+    assert [r.phase for r in rows] == ["rollout", "validation FrozenLake", "update", "sft"]
+    assert len(topo.devices) == 4 and topo.devices[0].device_kind == "TPU v5 lite"
+    assert all(r.fits and r.hbm_bytes == 16 * 2 ** 30 for r in rows)
+    assert all(r.plan_bytes > 0 and r.bytes > 0 for r in rows)
+    table = aot.table(rows, topo)
+    assert table.count("\n") == 1 + len(rows) and "| sft |" in table
+
+
+@pytest.mark.tpu
+@needs_libtpu
+def test_the_weights_are_split_over_the_slices_chips(compiled_tiny):
+    """The update's arguments per chip: the TrainState (float32 weights, two AdamW moments, the
+    critic's copy with its value head and moments) split four ways over fsdp, as counted by
+    hand from the parameter count, plus the trajectory's rows (a quarter each)."""
+    config, cfg, topo, rows = compiled_tiny
+    update = next(r for r in rows if r.phase == "update")
+    arguments = dict(update.parts)["arguments"]
+    actor = cfg.num_params * 4  # float32 master weights
+    critic = (cfg.num_params + cfg.hidden_size + 1) * 4  # + the value head
+    by_hand = 3 * (actor + critic) / 4
+    # the trajectory and the counters are small beside the state; some small weights
+    # (norms, biases) are not split: the bound allows for both
+    assert by_hand <= arguments <= 1.25 * by_hand, (arguments, by_hand)
+
+
+@pytest.mark.tpu
+@needs_libtpu
+def test_a_pod_topology_compiles_over_its_hosts():
+    """A v5e 4x4 slice is 16 chips on 4 hosts: one process's description of the whole slice;
+    a program over all of them (fsdp 16) compiles, each chip holding a 16th of the weights."""
+    import jax.numpy as jnp
+
+    topo = aot.topology("v5e:4x4")
+    assert len(topo.devices) == 16 and topo.processes == 4
+    from starpo import sharding
+
+    mesh = sharding.make_mesh(1, -1, 1, devices=topo.devices)
+    w = jax.ShapeDtypeStruct((1024, 512), jnp.float32,
+                             sharding=sharding.batch_sharding(mesh, 1024, 2))
+    with jax.set_mesh(mesh):
+        c = jax.jit(lambda w: (w * 2).sum()).lower(w).compile()
+    assert dict(aot.chip_parts(c))["arguments"] == 1024 * 512 * 4 // 16
+
+
+def _plan(*args):
+    # this process holds libtpu's lock file already: the command may load it beside it
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    return subprocess.run([sys.executable, "launch/plan.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.tpu
+@needs_libtpu
+@pytest.mark.parametrize("args, words", [
+    (["--topology=v5e-4"], "unknown TPU topology 'v5e-4'"),
+    (["--topology=v5e:2x2", "--config.mesh.data=3"], "mesh: 4 devices are not divisible"),
+    (["--topology=v5e:2x2", "--devices=4"], "leave out --devices"),
+])
+def test_plan_topology_bad_input_is_one_line_before_any_compile(args, words):
+    p = _plan("--config=configs/bandit.py:tiny", "--models=smollm2-135m", *args)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 2 and len(errors) == 1 and words in errors[0], p.stderr
+    assert "compiling" not in p.stderr and "Traceback" not in p.stderr
