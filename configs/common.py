@@ -141,12 +141,15 @@ def base(env: str, options: dict) -> ml_collections.ConfigDict:
         # the kernels of attention over a whole sequence and of the dense layers (same numbers
         # either way): "auto" = "cpu" on CPU (blockwise causal attention and 2-D matmuls with
         # written-out backwards), "cudnn" flash attention on NVIDIA GPUs where it takes the
-        # model, else "xla" (jax.nn.dot_product_attention, scores recomputed in the backward)
-        attention="auto",  # auto | cpu | xla | cudnn
+        # model, else "xla" (jax.nn.dot_product_attention, scores recomputed in the backward),
+        # "splash" on TPUs (JAX's splash attention, a Pallas kernel; XLA's under a context
+        # window or below 128 tokens)
+        attention="auto",  # auto | cpu | xla | cudnn | splash
         # a decode step's attention over the KV cache (same numbers either way): "xla" (its
-        # matmuls and softmax) or "pallas", one fused kernel a layer that reads the cache once
-        # (starpo/decode_attention.py; a GPU kernel, interpreted elsewhere: for tests)
-        decode_attention="xla",  # xla | pallas
+        # matmuls and softmax), or one fused kernel a layer that reads the cache once: "pallas"
+        # (starpo/decode_attention.py, a GPU kernel), "pallas_tpu" (starpo/tpu_attention.py);
+        # "auto" = "pallas_tpu" on TPUs, else "xla"
+        decode_attention="auto",  # auto | xla | pallas | pallas_tpu
         # a run's workdir (or one checkpoint in it) of the same model.path: the actor starts
         # from its latest (or that) checkpoint's weights, e.g. an SFT run of launch/sft.py
         init_from="",

@@ -77,6 +77,8 @@ def kernels(backend: str, cfg, dtype: str) -> str:
         return "cpu"
     cudnn = (dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
              and cfg.head_dim <= 128)
+    if backend == "tpu":
+        return "splash"
     return "cudnn" if backend == "gpu" and cudnn else "xla"
 
 

@@ -224,7 +224,7 @@ def abstract_policy(config, cfg: model_lib.ModelConfig, tokenizer, mesh):
     cfg = cfg.replace(dtype=run_config.model_dtype(config), remat=m.remat,
                       remat_policy=m.get("remat_policy", "full"),
                       attention=m.get("attention", "auto"),
-                      decode_attention=m.get("decode_attention", "xla"))
+                      decode_attention=m.get("decode_attention", "auto"))
     params = model_lib.abstract_params(cfg)
     settings = run_config.lora_settings(config)
     if settings is not None:

@@ -55,7 +55,7 @@ def load_policy(config, init_from: bool = True) -> weights.LoadedModel:
     m = config.model
     kwargs = dict(dtype=run_config.model_dtype(config), remat=m.remat,
                   remat_policy=m.get("remat_policy", "full"), attention=m.get("attention", "auto"),
-                  decode_attention=m.get("decode_attention", "xla"))
+                  decode_attention=m.get("decode_attention", "auto"))
     if m.path == "tiny" or m.path.startswith("tiny:"):
         kwargs["tiny_corpus"], kwargs["tiny_tokenizer"] = run_config.tiny_tokenizer_args(config)
     policy = with_adapters(config, weights.load_model(m.path, **kwargs))

@@ -24,7 +24,7 @@ structure (the buffers XLA's buffer assignment shows for them):
   weights; per layer the saved activations of the remat policy ("full": a layer's input;
   "save_dense": also its dense outputs; off: all of it); the one layer being recomputed,
   including attention's probabilities (M x H x T x T floats on the CPU path, none with
-  cuDNN's flash attention); the log-prob head's logits, 3 x M x C x V floats for chunks of C
+  cuDNN's or splash's flash attention); the log-prob head's logits, 3 x M x C x V floats for chunks of C
   tokens (`algorithm.logit_chunk_size`).
 `tests/test_memory.py` compares the totals with XLA's own compiled memory analysis on CPU.
 """
@@ -149,7 +149,7 @@ def update_parts(model: run_config.ModelSpec, algo, cfg: ModelConfig, rows: floa
                  attention: str = "cpu", packed: tuple[float, int] | None = None) -> tuple:
     """(what, bytes) of the update's working memory beyond the state, per device: `rows` kept
     rows of `context` tokens in micro-batches of `micro` rows; `attention`: the kernels of
-    attention over a sequence (`model.kernels`: "cpu", "xla" or "cudnn"); `packed`: (groups,
+    attention over a sequence (`model.kernels`: "cpu", "xla", "cudnn" or "splash"); `packed`: (groups,
     tokens) of the actor's micro-batch where the PPO loss packs a group's prompt once
     (`update.static_loss_share`: groups of `packed` sequences, their rows' replies in them;
     the critic's keeps `micro` rows)."""
@@ -165,7 +165,7 @@ def update_parts(model: run_config.ModelSpec, algo, cfg: ModelConfig, rows: floa
 
     def model_pass(M, T):  # (saved activations, one recomputed layer) of M sequences of T
         layer = (4 * D * 4 + dense + 2 * F * w) * M * T  # one layer's live activations
-        if attention == "cudnn":  # flash attention keeps one softmax statistic per query row
+        if attention in ("cudnn", "splash"):  # flash attention: one softmax statistic a row
             scores = M * H * T * 4
         else:  # the CPU path keeps each block's probabilities; XLA's recomputes [M,H,T,T]
             scores = M * H * T * T * 4
@@ -267,7 +267,8 @@ def plan(run: run_config.RunSpec, cfg: ModelConfig, *, mesh_shape=(1, 1, 1),
     first turn's prompt length (known once the tokenizer is; 256 is a typical upper value);
     `contexts`: the cache slots of the training and the validation rollouts (what an episode
     can reach, `Rollout.context`; None: rollout.max_context for both, an upper bound);
-    `attention`: the update's attention kernels (`model.kernels`; "cudnn" keeps no scores);
+    `attention`: the update's attention kernels (`model.kernels`; "cudnn" and "splash" keep
+    no scores);
     `workspace`: the backend's matmul workspace in every program (`matmul_workspace`);
     `shares`: the training and the validation rollouts' `Rollout.share` (1: every row
     appends its own first prompt, an upper bound). Under

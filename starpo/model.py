@@ -59,12 +59,17 @@ ACTIVATION_AXES = ("batch", "length", "act_embed")
 # both tuned for XLA:CPU. "xla": `jax.nn.dot_product_attention`'s XLA implementation, its
 # [T,S] scores recomputed in the backward pass (`jax.checkpoint`), and plain `dot_general`
 # dense layers. "cudnn": the same with cuDNN's fused flash attention (NVIDIA GPUs, bfloat16 or
-# float16). "auto": "cpu" on CPU; on an NVIDIA GPU "cudnn" where it takes the shapes and dtype,
-# else "xla"; "xla" on TPU. All give the same numbers to float rounding (tests/test_model.py).
-ATTENTION = ("auto", "cpu", "xla", "cudnn")
-# a decode step's attention: XLA's ops, or one fused kernel a layer (starpo/decode_attention.py,
-# imported only where used: Pallas loads late)
-DECODE_ATTENTION = ("xla", "pallas")
+# float16). "splash": JAX's splash attention, a Pallas TPU kernel (`tpu_attention.causal`),
+# with "xla"'s dense layers; XLA's attention where its static shapes do not suit it
+# (`tpu_attention.causal_fallback`: a context window, under 128 tokens). "auto": "cpu" on
+# CPU; on an NVIDIA GPU "cudnn" where it takes the shapes and dtype, else "xla"; "splash" on a
+# TPU. All give the same numbers to float rounding (tests/test_model.py, test_tpu_attention.py).
+ATTENTION = ("auto", "cpu", "xla", "cudnn", "splash")
+# a decode step's attention: XLA's ops, or one fused kernel a layer: "pallas" the GPU's
+# (starpo/decode_attention.py, Triton), "pallas_tpu" the TPU's (`tpu_attention.decode`,
+# Mosaic); each interpreted off its platform (tests). "auto": "pallas_tpu" on a TPU, else
+# "xla". The kernels' modules are imported only where used: Pallas loads late.
+DECODE_ATTENTION = ("auto", "xla", "pallas", "pallas_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +99,9 @@ class ModelConfig:
     # (q, k, v, o, gate, up, down: ~5k floats per token per layer for SmolLM2), so only norms,
     # rotary, attention and activations run again
     remat_policy: str = "full"
-    attention: str = "auto"  # the kernels (see ATTENTION): auto | cpu | xla | cudnn
-    # a decode step's attention over the cache: "xla" or "pallas" (starpo/decode_attention.py)
-    decode_attention: str = "xla"
+    attention: str = "auto"  # the kernels (see ATTENTION): auto | cpu | xla | cudnn | splash
+    # a decode step's attention over the cache (see DECODE_ATTENTION)
+    decode_attention: str = "auto"
     # LoRA adapters (`starpo/lora.py`): rank (0: none), alpha and the projections adapted
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -361,14 +366,25 @@ def _dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type
 
 
 def kernels(cfg: ModelConfig) -> str:
-    """What `cfg.attention` stands for on the default backend: "cpu", "xla" or "cudnn"."""
+    """What `cfg.attention` stands for on the target backend: "cpu", "xla", "cudnn" or
+    "splash"."""
     if cfg.attention != "auto":
         return cfg.attention
     backend = target_backend()
     if backend == "cpu":
         return "cpu"
+    if backend == "tpu":
+        return "splash"
     refused = cudnn_refusal(cfg.dtype, cfg.head_dim, gpu_capability())
     return "cudnn" if backend == "gpu" and refused is None else "xla"
+
+
+def decode_kernel(cfg: ModelConfig) -> str:
+    """What `cfg.decode_attention` stands for on the target backend: "xla", "pallas" or
+    "pallas_tpu" (each kernel still gives way to XLA where a step's shapes do not suit it)."""
+    if cfg.decode_attention != "auto":
+        return cfg.decode_attention
+    return "pallas_tpu" if target_backend() == "tpu" else "xla"
 
 
 def gpu_capability() -> tuple[int, int] | None:
@@ -413,12 +429,18 @@ def cudnn_refusal(dtype: str, head_dim: int | None, capability: tuple[int, int] 
 def check_kernels(cfg: ModelConfig) -> None:
     """ValueError (one line) where `cfg.attention` names kernels this machine cannot run for
     this model: "cudnn" off an NVIDIA GPU, on one older than Ampere, or with inputs or a head dim
-    cuDNN refuses. ("auto" picks what runs; an odd sequence length under "cudnn" uses "xla".)"""
+    cuDNN refuses; "splash" or decode_attention "pallas_tpu" off a TPU. ("auto" picks what
+    runs; an odd sequence length under "cudnn" uses "xla".)"""
     if cfg.attention == "cudnn":
         refused = cudnn_refusal(cfg.dtype, cfg.head_dim, gpu_capability())
         if refused:
             raise ValueError(f"model.attention=cudnn: cuDNN's flash attention {refused}; "
                              f"use model.attention=auto")
+    for knob, value, kernel in (("attention", cfg.attention, "splash"),
+                                ("decode_attention", cfg.decode_attention, "pallas_tpu")):
+        if value == kernel and target_backend() != "tpu":
+            raise ValueError(f"model.{knob}={kernel}: a TPU kernel (Pallas, Mosaic), the "
+                             f"backend is {target_backend()}; use model.{knob}=auto")
 
 
 # Causal self-attention of a whole sequence (the training forward), block by block.
@@ -579,7 +601,7 @@ class Attention(nn.Module):
                                in_axes=(-2, -1))
 
         if write is not None:
-            out, new_kv = _attend_written_cache(q, k, v, kv, write, cfg.decode_attention)
+            out, new_kv = _attend_written_cache(q, k, v, kv, write, decode_kernel(cfg))
             return out_proj(out), new_kv
         if kv is None:  # the training forward: causal over the sequence's valid tokens
             # the last query sees every valid key
@@ -634,7 +656,8 @@ def _attend_written_cache(q, k, v, kv, write, decode="xla"):
     """Layer by layer (`split_cache`): write the chunk's k, v into this layer's cache buffers
     (in place: nothing reads the old ones), then attend over the cache alone, slots `visible`
     to each query. -> (out, the updated (ck, cv)). decode="pallas": one query a row (a decode
-    step) attends in one fused kernel where it runs (`decode_attention.runs`)."""
+    step) attends in one fused GPU kernel where it runs (`decode_attention.runs`); "pallas_tpu"
+    in the TPU's (`tpu_attention.decode_runs`)."""
     rows, slots, visible = write
     ck = kv[0].at[rows, :, slots].set(k, mode="drop")
     cv = kv[1].at[rows, :, slots].set(v, mode="drop")
@@ -643,6 +666,11 @@ def _attend_written_cache(q, k, v, kv, write, decode="xla"):
 
         if decode_attention.runs(q.shape, ck.shape[2]):
             return decode_attention.attend(q, ck, cv, visible), (ck, cv)
+    if decode == "pallas_tpu":
+        from starpo import tpu_attention
+
+        if tpu_attention.decode_runs(q.shape, ck.shape[2]):
+            return tpu_attention.decode(q, ck, cv, visible), (ck, cv)
 
     def attend(q, visible):  # a block of queries [B,Q,K,G,E], visible [B,Q,S]
         T, G = q.shape[1], q.shape[3]
@@ -661,7 +689,14 @@ def _attend_written_cache(q, k, v, kv, write, decode="xla"):
 
 def _attend_causal(q, k, v, valid, kernel="cpu", window=None):
     """The training forward: causal attention over the sequence's valid keys (valid [B,T]),
-    by `kernel` ("cpu", "xla" or "cudnn", see `ATTENTION`); window: a `TurnWindow` or None."""
+    by `kernel` ("cpu", "xla", "cudnn" or "splash", see `ATTENTION`); window: a `TurnWindow`
+    or None."""
+    if kernel == "splash":
+        from starpo import tpu_attention
+
+        if tpu_attention.causal_fallback(q.shape[1], window is not None) is None:
+            return tpu_attention.causal(q, k, v, valid)
+        kernel = "xla"
     if kernel != "cpu":
         return _attend_dot_product(q, k, v, valid, kernel, window)
     T, G = q.shape[1], q.shape[3]

@@ -54,7 +54,8 @@ def test_without_libtpu_the_error_names_the_install_line(monkeypatch):
 
 def test_the_target_platform_decides_dtypes_and_kernels():
     """Under `precision.target("tpu")` the choices are a TPU's on this CPU: bfloat16 in every
-    phase with model.dtype=auto, XLA's attention for `auto`, and back after."""
+    phase with model.dtype=auto, splash attention and the TPU decode kernel for `auto`, and back
+    after."""
     from configs import bandit
     from tests.test_training import with_changes
 
@@ -64,7 +65,8 @@ def test_the_target_platform_decides_dtypes_and_kernels():
     with precision.target("tpu"):
         assert precision.backend() == "tpu"
         assert set(precision.phase_dtypes(config).values()) == {"bfloat16"}
-        assert model_lib.kernels(cfg) == "xla"
+        assert model_lib.kernels(cfg) == "splash"
+        assert model_lib.decode_kernel(cfg) == "pallas_tpu"
     assert precision.backend() == jax.default_backend()
     if jax.default_backend() == "cpu":
         assert model_lib.kernels(cfg) == "cpu"
@@ -159,3 +161,42 @@ def test_plan_topology_bad_input_is_one_line_before_any_compile(args, words):
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert p.returncode == 2 and len(errors) == 1 and words in errors[0], p.stderr
     assert "compiling" not in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.tpu
+@needs_libtpu
+def test_the_tpu_attention_kernels_compile_for_a_v5e_slice():
+    """Splash attention (forward and both backward kernels) and the decode kernel compile for
+    v5e chips under shard_map on data 2 x tensor 2, at Qwen2.5-0.5B's head shape (14 query
+    heads on 2 kv heads, head dim 64) in bfloat16, each a Mosaic custom call; each chip holds a
+    quarter of the queries (rows over data, kv heads with their query heads over tensor)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from starpo import sharding, tpu_attention
+
+    topo = aot.topology("v5e:2x2")
+    mesh = sharding.make_mesh(2, 1, 2, devices=topo.devices)
+    B, T, K, G, E, S = 8, 1000, 2, 7, 64, 1024
+
+    def struct(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    q = struct((B, T, K, G, E), jnp.bfloat16, P("data", None, "tensor"))
+    kv = struct((B, T, K, E), jnp.bfloat16, P("data", None, "tensor"))
+    valid = struct((B, T), jnp.bool_, P("data"))
+    cq = struct((B, 1, K, G, E), jnp.float32, P("data", None, "tensor"))
+    cache = struct((B, K, S, E), jnp.bfloat16, P("data", "tensor"))
+    seen = struct((B, 1, S), jnp.bool_, P("data"))
+
+    def loss(q, k, v, valid):
+        return model_lib._attend_causal(q, k, v, valid, "splash").astype(jnp.float32).sum()
+
+    with precision.target("tpu"), jax.set_mesh(mesh):
+        train = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid).compile()
+        step = jax.jit(tpu_attention.decode).lower(cq, cache, cache, seen).compile()
+    assert train.as_text().count("tpu_custom_call") == 3  # forward, dq, dkv
+    assert step.as_text().count("tpu_custom_call") == 1
+    chip_q = B * T * K * G * E * 2 // 4
+    assert dict(aot.chip_parts(train))["arguments"] >= chip_q
+    assert dict(aot.chip_parts(train))["arguments"] < 2 * chip_q  # not the whole of q

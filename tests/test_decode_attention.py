@@ -134,12 +134,12 @@ def test_the_sampler_with_the_kernel_equals_xlas_decode_step():
 
 def test_the_config_knob_reaches_the_model():
     """`model.decode_attention` in a run's config is the loaded policy's, and a run saved
-    before the knob existed reads as XLA's ops (harness.ADDED_KEYS)."""
+    before the knob existed reads as XLA's ops (harness.ADDED_KEYS; "auto" is XLA's off a TPU)."""
     from configs import bandit
     from starpo import experiment, harness
 
     config = bandit.get_config("tiny")
-    assert experiment.load_policy(config).cfg.decode_attention == "xla"
+    assert experiment.load_policy(config).cfg.decode_attention == "auto"
     config.unlock()
     config.model.decode_attention = "pallas"
     assert experiment.load_policy(config).cfg.decode_attention == "pallas"

@@ -351,8 +351,8 @@ def test_attention_choices_agree(tiny):
     left padding, right padding and padding inside a row; 70 tokens: two query blocks."""
     cfg, params = tiny
     # "auto" asks the backend: the CPU kernels on CPU; on an NVIDIA GPU cuDNN only where it takes
-    # the model (this one computes in float32: "xla"); "xla" elsewhere
-    auto = {"cpu": "cpu", "gpu": "xla", "tpu": "xla"}.get(jax.default_backend(), "xla")
+    # the model (this one computes in float32: "xla"); splash on a TPU
+    auto = {"cpu": "cpu", "gpu": "xla", "tpu": "splash"}.get(jax.default_backend(), "xla")
     assert M.kernels(cfg) == auto and M.kernels(cfg.replace(attention="xla")) == "xla"
     rng = np.random.default_rng(9)
     T = 70
