@@ -30,7 +30,10 @@ ROWS = (
     ("lake-0.5b-v4-8", "configs/frozenlake.py", "qwen2.5-0.5b", "v4:2x2x1", ()),
     ("sokoban-0.5b-v5e-4", "configs/sokoban.py", "qwen2.5-0.5b", "v5e:2x2", ()),
     ("lake-3b-v5e-8", "configs/frozenlake.py", "qwen2.5-3b", "v5e:2x4", ()),
+    ("lake-7b-lora-v5e-8", "configs/frozenlake.py:lora", "qwen2.5-7b", "v5e:2x4", ()),
     ("lake-3b-v5e-256", "configs/frozenlake.py", "qwen2.5-3b", "v5e:16x16", ()),
+    # a v4-128 is 64 chips (128 TensorCores, two a chip)
+    ("lake-3b-v4-128", "configs/frozenlake.py", "qwen2.5-3b", "v4:4x4x4", ()),
 )
 
 
@@ -58,9 +61,12 @@ def cpu_name() -> str:
 
 
 def commit() -> str:
+    """HEAD's short hash, with "-dirty" where tracked files differ from it."""
     p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                        text=True)
-    return p.stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return (p.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
 
 
 def run_row(name, config, model, topo, overrides, out_dir) -> dict:
