@@ -26,6 +26,7 @@ the chip's HBM and the TPU cost model's estimate of one call (the compiler's, ne
 time). It exits with a one-line error where a program does not fit in 90% of a chip's HBM.
 """
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -92,7 +93,7 @@ def main(argv):
         raise ValueError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["config"].present:
         raise ValueError("--config is required, e.g. --config=configs/frozenlake.py")
-    from starpo import memory, run_config
+    from starpo import memory, precision, run_config
 
     if not FLAGS.models or not FLAGS.devices:
         raise ValueError("--models and --devices each need at least one value")
@@ -127,6 +128,12 @@ def main(argv):
     for name, cfg in cfgs.items():
         for n in devices:
             def gb_of(r):  # r's phases (GB per device) on n devices
+                # a TPU's choices made as on one (the cache's tile padding, memory.py)
+                with (precision.target("tpu") if FLAGS.backend == "tpu"
+                      else contextlib.nullcontext()):
+                    return _gb(r)
+
+            def _gb(r):
                 return memory.total_gb(memory.plan(
                     r, cfg, mesh_shape=(1, n, 1), prompt_tokens=P, decode_dtype=dtype,
                     update_dtype=dtype, contexts=(context, context),

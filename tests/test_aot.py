@@ -241,3 +241,43 @@ def test_the_tpu_attention_kernels_compile_for_a_v5e_slice():
     chip_q = B * T * K * G * E * 2 // 4
     assert dict(aot.chip_parts(train))["arguments"] >= chip_q
     assert dict(aot.chip_parts(train))["arguments"] < 2 * chip_q  # not the whole of q
+
+
+@pytest.mark.tpu
+@needs_libtpu
+@pytest.mark.parametrize("kv_heads, head_dim", [(3, 64), (2, 64), (2, 128), (5, 128)])
+def test_the_plans_tpu_tile_padding_is_the_compiled_cache_buffers(kv_heads, head_dim, tmp_path):
+    """The KV cache as the rollout writes it (`model._attend_written_cache`: a step's keys into
+    every row's slot, then attention over the cache) in a scan of decode steps, compiled for a
+    v5e chip: its largest buffer, from XLA's memory-usage report, is a layer stack's keys
+    padded by exactly `memory.kv_tile_padding` (SmolLM2's 3 kv heads of 64: 2.7x)."""
+    import re
+    import jax.numpy as jnp
+    from starpo import memory, sharding
+
+    topo = aot.topology("v5e:1x1")
+    mesh = sharding.make_mesh(1, 1, 1, devices=topo.devices)
+    L, B, S, G = 2, 128, 512, 3
+
+    def steps(cache, q, k):
+        def step(cache, t):
+            def layer(x, kv):
+                rows, slots = jnp.arange(B)[:, None], jnp.full((B, 1), t)
+                visible = jnp.broadcast_to(jnp.arange(S) <= t, (B, 1, S))
+                out, kv = model_lib._attend_written_cache(q, k, k, kv, (rows, slots, visible))
+                return x + out.sum(), kv
+            return jax.lax.scan(layer, 0.0, cache)[::-1]
+        return jax.lax.scan(step, cache, jnp.arange(8))[1]
+
+    K, E = kv_heads, head_dim
+    cache = jax.ShapeDtypeStruct((L, B, K, S, E), jnp.bfloat16)
+    args = ((cache, cache), jax.ShapeDtypeStruct((B, 1, K, G, E), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, 1, K, E), jnp.bfloat16))
+    with jax.set_mesh(mesh):
+        jax.jit(steps).lower(*args).compile({"xla_dump_to": str(tmp_path)})
+    report = next(tmp_path.glob("*memory-usage-report.txt")).read_text()
+    hbm = report.split("Memory Space")[1]  # the default memory space's buffers
+    largest = max(float(m) for m in re.findall(r";\s+([\d.]+)MiB;", hbm)) * 2 ** 20
+    values = L * B * K * S * E * 2
+    assert largest == pytest.approx(values * memory.kv_tile_padding(K, E, "tpu"), rel=1e-3)
+    assert memory.kv_tile_padding(K, E, "cpu") == 1.0

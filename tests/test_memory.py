@@ -336,3 +336,13 @@ def test_the_autotuning_scratch_follows_the_device_and_the_flag():
     assert memory.describe_peak("update", 9.21 * gb, 9.49 * gb, 4096 * 2 ** 20).endswith(
         "(plan: ~9.49 GB)")  # under its plan: nothing to explain
     assert memory.describe_peak("rollout", 8.0 * gb, 7.0 * gb).endswith("(plan: ~7.00 GB)")
+
+
+def test_the_tpu_tile_padding_by_hand():
+    """The cache's TPU tiles (`memory.kv_tile_padding`), counted by hand: SmolLM2's 3 kv heads
+    of 64 take 4 of 128 (8/3x), Qwen2.5-0.5B's 2 of 64 take 2 of 128 (2x), 2 or 4 of 128 fill
+    their tiles, 5 take 8 (1.6x), 12 take 16; off a TPU, none."""
+    tpu = [memory.kv_tile_padding(K, E, "tpu") for K, E in
+           [(3, 64), (2, 64), (2, 128), (4, 128), (5, 128), (12, 128)]]
+    assert tpu == pytest.approx([8 / 3, 2, 1, 1, 1.6, 16 / 12])
+    assert memory.kv_tile_padding(3, 64, "gpu") == memory.kv_tile_padding(3, 64, "cpu") == 1.0
