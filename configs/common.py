@@ -1,6 +1,6 @@
 """The config every env shares: the reference's knobs under the reference's names.
 
-`base(env)` returns the paper-sized run (REFERENCE.md section 4) for an accelerator; each env file
+`base(env)` returns the paper-sized run (docs/reference.md section 4) for an accelerator; each env file
 (`configs/frozenlake.py`, ...) adjusts it and adds variants picked after a colon:
 
     python launch/train.py --config=configs/frozenlake.py          # the paper's settings
@@ -16,7 +16,7 @@ fails at start.
 import ml_collections
 
 # The algorithm knobs: `starpo.run_config.AlgoConfig`'s fields under the same names with its
-# defaults, which are the reference's (REFERENCE.md section 4; tests/test_configs.py checks that
+# defaults, which are the reference's (docs/reference.md section 4; tests/test_configs.py checks that
 # the two agree). `group_size` and `temperature` are read from `rollout`.
 ALGORITHM = dict(
     # advantages

@@ -143,7 +143,7 @@ class Cell:
 
 
 # The paper's numbers (RAGEN v1: Qwen2.5-0.5B-Instruct, 8 prompts x 16 trajectories, 200 steps,
-# success % on 256 held-out prompts at temperature 0.5; as REFERENCE.md section 6 lists them).
+# success % on 256 held-out prompts at temperature 0.5; as docs/reference.md section 6 lists them).
 def _tables():
     def s(env, **kw):
         return Run("StarPO-S", env, **kw)

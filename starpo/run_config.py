@@ -90,7 +90,7 @@ ESTIMATORS = ("gae", "bi_level_gae", "grpo", "gigpo")
 
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
-    """Algorithm knobs (hashable). Defaults are the reference's (REFERENCE.md section 4)."""
+    """Algorithm knobs (hashable). Defaults are the reference's (docs/reference.md section 4)."""
 
     # advantages
     adv_estimator: str = "gae"  # gae | bi_level_gae | grpo | gigpo

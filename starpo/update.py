@@ -19,7 +19,7 @@
 
 The state is donated, except for frozen weights (LoRA's base, `starpo/lora.py`): those pass
 through as the same buffers, and gradients, AdamW moments and the clipping norm cover the
-trainable part alone. Knob names follow the reference (REFERENCE.md section 4).
+trainable part alone. Knob names follow the reference (docs/reference.md section 4).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_paper_defaults():
-    """The variant-less configs carry the reference's settings (REFERENCE.md section 4)."""
+    """The variant-less configs carry the reference's settings (docs/reference.md section 4)."""
     c = frozenlake.get_config()
     r, a = c.rollout, c.algorithm
     assert (r.env_groups, r.group_size, r.max_turn, r.response_length, r.max_context) == (

@@ -35,6 +35,29 @@ def test_only_one_place_changes_sys_path():
     assert any(f.startswith("launch/_checkout.py:") for f in found)  # the check sees an edit
 
 
+def test_no_file_cites_one_outside_the_repository():
+    """The tracked files name no file outside the checkout: the reference's facts the code
+    relies on are stated in docs/reference.md, which the citations point to."""
+    outside = re.compile(r"REFERENCE\.md|ragen-golden|\.\./shared|/work/shared")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split()
+    if not files:  # not a git checkout (an unpacked archive): every text file
+        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
+                 and not p.relative_to(ROOT).parts[0].startswith(".")]
+    found = []
+    for rel in files:
+        if rel == "tests/test_package.py":
+            continue
+        try:
+            text = (ROOT / rel).read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{rel}:{i}" for i, line in enumerate(text.splitlines(), 1)
+                  if outside.search(line)]
+    assert found == []
+    assert "## 4. Knobs and defaults" in (ROOT / "docs" / "reference.md").read_text()
+
+
 def run(args, cwd):
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
