@@ -32,7 +32,8 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str) -> jax.Array:
 
     kl (k1): logp - ref; abs: |logp - ref|; mse (k2): (logp - ref)^2 / 2;
     low_var_kl (k3): exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10] (non-negative,
-    unbiased, lower variance than k1).
+    unbiased, lower variance than k1); as verl's, its log-ratio is clamped to [-20, 20] first,
+    so that `exp` cannot overflow (an inf there makes the clamped value's gradient NaN).
     """
     diff = logp - ref_logp
     if kind == "kl":
@@ -42,7 +43,7 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str) -> jax.Array:
     if kind == "mse":
         return 0.5 * diff * diff
     if kind == "low_var_kl":
-        d = -diff
+        d = jnp.clip(-diff, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
         return jnp.clip(jnp.exp(d) - d - 1.0, -_LOW_VAR_KL_LIMIT, _LOW_VAR_KL_LIMIT)
     raise ValueError(f"unknown KL type {kind!r} (one of {KL_TYPES})")
 
