@@ -205,6 +205,10 @@ class TurnWindow:
 
     turns: jax.Array
     size: int = struct.field(pytree_node=False)
+    # the turns are disjoint segments with no prefix among them (rows packed into shared
+    # sequences, `update.pack_rows`): with size 1 a token sees its own segment alone, which a
+    # TPU's splash attention takes as segment ids
+    segments: bool = struct.field(pytree_node=False, default=False)
 
 
 def window_mask(query_turns, key_turns, size: int):
@@ -694,8 +698,11 @@ def _attend_causal(q, k, v, valid, kernel="cpu", window=None):
     if kernel == "splash":
         from starpo import tpu_attention
 
-        if tpu_attention.causal_fallback(q.shape[1], window is not None) is None:
-            return tpu_attention.causal(q, k, v, valid)
+        as_segments = window is not None and window.segments and window.size == 1
+        if tpu_attention.causal_fallback(q.shape[1], window is not None and not as_segments
+                                         ) is None:
+            return tpu_attention.causal(q, k, v, valid,
+                                        segments=window.turns if as_segments else None)
         kernel = "xla"
     if kernel != "cpu":
         return _attend_dot_product(q, k, v, valid, kernel, window)

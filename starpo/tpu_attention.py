@@ -10,7 +10,8 @@ Two places where XLA's attention costs the most on a TPU get a kernel each, both
   backward pass. The causal mask is splash's static mask; the row's padding is its segment
   ids (valid tokens 1, padding 0), so a valid query sees the valid keys at or before it and a
   padding query only padding (its output is never read: no valid query sees a padding key).
-  The sequence is padded at its end to a multiple of 128 tokens (the kernel's block).
+  The sequence is padded at its end to a multiple of 128 tokens (the kernel's block). Rows
+  packed into one sequence (`update.pack_rows`) are segments too: a segment's id a row.
 - `decode`: a decode step's attention (one query a row) over the KV cache, in the spirit of
   the GPU kernel (`starpo/decode_attention.py`): a grid of (row, kv head, block of slots), an
   online softmax over the blocks in VMEM scratch, and no block past the row's last visible
@@ -124,18 +125,20 @@ def causal_fallback(length: int, window: bool = False) -> str | None:
     return None
 
 
-def causal(q, k, v, valid, interpret: bool | None = None):
+def causal(q, k, v, valid, segments=None, interpret: bool | None = None):
     """q [B,T,K,G,E] (scaled, rotated), k, v [B,T,K,E], valid [B,T] -> [B,T,K*G,E] in k's
     dtype: each valid query over the valid keys at or before it (as `model._attend_causal`;
-    padding queries' rows differ and are not read). interpret: Pallas's interpreter (None:
-    off a TPU)."""
+    padding queries' rows differ and are not read). segments: int [B,T] >= 0 or None: a
+    valid query sees the valid keys of its own segment alone (rows packed into one sequence,
+    `model.TurnWindow` with `segments`). interpret: Pallas's interpreter (None: off a TPU)."""
     B, T, K, G, E = q.shape
     Tp = -(-T // BLOCK) * BLOCK
     block = _block(Tp)
     pad = ((0, 0), (0, Tp - T), (0, 0), (0, 0))
     qh = jnp.pad(q.reshape(B, T, K * G, E).astype(k.dtype), pad).transpose(0, 2, 1, 3)
     kh, vh = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,Tp,E]
-    segments = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, Tp - T)))
+    ids = valid.astype(jnp.int32) if segments is None else jnp.where(valid, segments + 1, 0)
+    segments = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, Tp - T)))
     interpret = _interpret(interpret)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                               block_q_dkv=block, block_kv_dkv=block,

@@ -253,7 +253,7 @@ def batch_window(algo: AlgoConfig, m: Batch):
     """The `model.TurnWindow` a (micro-)batch runs under: its rows' own (`turn_window`), or
     for packed rows (`pack_rows`) one that keeps each row to its own tokens."""
     if m.segments:
-        return model_lib.TurnWindow(m.turns, 1)
+        return model_lib.TurnWindow(m.turns, 1, segments=True)
     return turn_window(algo, m.turns)
 
 
@@ -410,7 +410,7 @@ def packed_forward(fn, micro: int, replies: int, loss_mask, tokens, valid):
         i, t, v, seg, rot, m = xs
 
         def run():
-            return fn(t, v, model_lib.TurnWindow(seg, 1), rot, m)
+            return fn(t, v, model_lib.TurnWindow(seg, 1, segments=True), rot, m)
 
         out = jax.eval_shape(run)
         return jax.lax.cond(i * micro < plan.bins, run,

@@ -15,14 +15,17 @@ from starpo import tpu_attention as TA
 from tests.test_decode_attention import FakeTok, numpy_attention
 
 
-def numpy_causal(q, k, v, valid):
+def numpy_causal(q, k, v, valid, segments=None):
     """q [B,T,K,G,E] over k, v [B,T,K,E] in float64, one valid query at a time: the softmax
-    over the valid keys at or before it. Padding queries' rows are left 0 (not compared)."""
+    over the valid keys at or before it (of its own segment, segments [B,T]). Padding
+    queries' rows are left 0 (not compared)."""
     B, T, K, G, E = q.shape
     out = np.zeros((B, T, K, G, E))
     for b in range(B):
         for t in np.flatnonzero(valid[b]):
             seen = valid[b, : t + 1]
+            if segments is not None:
+                seen = seen & (segments[b, : t + 1] == segments[b, t])
             for h in range(K):
                 s = k[b, : t + 1, h].astype(np.float64) @ q[b, t, h].astype(np.float64).T
                 w = np.where(seen[:, None], np.exp(s - s[seen].max(0)), 0.0)  # [t+1,G]
@@ -58,6 +61,32 @@ def test_splash_equals_a_numpy_loop_and_xlas_gradients():
         return lambda q, k, v: jnp.sum(M._attend_causal(q, k, v, jnp.asarray(valid), kernel) * w)
 
     args = tuple(map(jnp.asarray, (q, k, v)))
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(*args)
+    for name, a, b in zip("qkv", jax.grad(loss("splash"), argnums=(0, 1, 2))(*args), want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_rows_packed_into_one_sequence_run_splash_as_segments():
+    """Rows packed into shared sequences (`update.pack_rows`: each token's row as its segment,
+    `TurnWindow(rows, 1, segments=True)`) run splash with the rows as segment ids: each valid
+    query sees its own row's valid keys alone, as a float64 loop, and the gradients equal
+    XLA's path under the same window (its turn mask)."""
+    q, k, v, valid = _inputs(3, 130, 1, 2, 16, seed=3)
+    t = np.arange(130)
+    rows = np.stack([t // 50, np.where(t < 90, 0, 1), np.where(t < 100, 0, 1)]).astype(np.int32)
+    window = M.TurnWindow(jnp.asarray(rows), 1, segments=True)
+    args = tuple(map(jnp.asarray, (q, k, v)))
+    got = np.asarray(M._attend_causal(*args, jnp.asarray(valid), "splash", window))
+    np.testing.assert_allclose(got[valid], numpy_causal(q, k, v, valid, rows)[valid],
+                               rtol=2e-5, atol=2e-5)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal(got.shape).astype(np.float32)
+                    * valid[:, :, None, None])
+
+    def loss(kernel):
+        return lambda q, k, v: jnp.sum(
+            M._attend_causal(q, k, v, jnp.asarray(valid), kernel, window) * w)
+
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(*args)
     for name, a, b in zip("qkv", jax.grad(loss("splash"), argnums=(0, 1, 2))(*args), want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
