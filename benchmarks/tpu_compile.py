@@ -61,11 +61,13 @@ def cpu_name() -> str:
 
 
 def commit() -> str:
-    """HEAD's short hash, with "-dirty" where tracked files differ from it."""
+    """HEAD's short hash, with "-dirty" where tracked files (but the kept results, which
+    each row rewrites) differ from it."""
     p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                        text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)results"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
     return (p.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
 
 
