@@ -489,15 +489,15 @@ def test_the_readmes_gpu_rows_are_the_evaluations_kept_in_the_repository():
     def row(start):
         return next(line for line in readme if line.startswith(start))
 
-    lake = row("| SmolLM2-135M on the paper's slippery FrozenLake on one GPU")
+    lake = row("| SmolLM2-135M on the paper's slippery lake")
     assert f"success **{got['SFT then RL', 'FrozenLake']:.3f}**" in lake
     assert f"SFT steps ({got['SFT', 'FrozenLake']:.3f})" in lake
     assert f"paired {got[rows[2], 'FrozenLake']:+.3f}" in lake
-    still = row("| SmolLM2-135M on RAGEN-2's non-slippery 4x4 FrozenLake on one GPU")
+    still = row("| SmolLM2-135M on RAGEN-2's non-slippery lake")
     assert f"success **{got['SFT then RL', 'FrozenLakeNonSlippery']:.3f}**" in still
     assert f"SFT steps ({got['SFT', 'FrozenLakeNonSlippery']:.3f})" in still
     assert f"paired {got[rows[2], 'FrozenLakeNonSlippery']:+.3f}" in still
-    sokoban = row("| SmolLM2-135M on Sokoban on one GPU")
+    sokoban = row("| SmolLM2-135M on SimpleSokoban")
     assert f"success **{got['SFT then RL', 'Sokoban']:.3f}**" in sokoban
     assert f"SFT alone's {got['SFT', 'Sokoban']:.3f}" in sokoban
     assert f"paired {got[rows[2], 'Sokoban']:+.3f}" in sokoban
