@@ -73,7 +73,7 @@ ALGORITHM = dict(
     use_kl_in_reward=False,  # subtract kl_coef * KL from every model token's reward
     kl_penalty="kl",  # estimator of the in-reward KL (same choices)
     kl_coef=0.001,
-    loss_agg_mode="token-mean",  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    loss_agg_mode="token-mean",  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     # DAPO's overlong reward shaping (verl's reward_model.overlong_buffer.len/.penalty_factor):
     # per turn, a reply within overlong_buffer_len tokens of rollout.response_length loses up
     # to penalty_factor (linearly, all of it at the limit); 0 = off

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
 
 # exp() of a log-ratio beyond this overflows in bf16 and is meaningless anyway.
 _LOG_RATIO_LIMIT = 20.0
@@ -101,6 +102,8 @@ def aggregate(x: jax.Array, mask: jax.Array, mode: str, num_tokens, num_seqs,
     token-mean:          sum of all tokens / num_tokens
     seq-mean-token-sum:  sum over rows of (row sum) / num_seqs
     seq-mean-token-mean: sum over rows of (row mean) / num_seqs
+    seq-mean-token-sum-norm: seq-mean-token-sum / T, the row's length (Dr.GRPO's loss; verl's
+                         normaliser, the token tensor's width, where no constant is given)
     Summing this over the micro-batches of a mini-batch gives the mini-batch value.
     segments: int[b,T], the sequence (of `num_segments`) each token belongs to where a row
     holds several (`update.pack_rows`); None: each row is one.
@@ -110,6 +113,8 @@ def aggregate(x: jax.Array, mask: jax.Array, mode: str, num_tokens, num_seqs,
         return masked.sum() / num_tokens
     if mode == "seq-mean-token-sum":
         return masked.sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / num_seqs / x.shape[-1]
     if mode == "seq-mean-token-mean":
         if segments is None:
             row = masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)

@@ -142,6 +142,13 @@ def test_a_pod_topology_compiles_over_its_hosts():
     assert dict(aot.chip_parts(c))["arguments"] == 1024 * 512 * 4 // 16
 
 
+def _one_v5e_chip():
+    """A 1 x 1 x 1 mesh over one v5e chip's compile-only device."""
+    from starpo import sharding
+
+    return sharding.make_mesh(1, 1, 1, devices=aot.topology("v5e:1x1").devices)
+
+
 @pytest.mark.tpu
 @needs_libtpu
 def test_a_chips_figure_is_the_peak_of_live_buffers_not_the_sum_of_temporaries():
@@ -152,11 +159,9 @@ def test_a_chips_figure_is_the_peak_of_live_buffers_not_the_sum_of_temporaries()
     arguments + temporaries sum would overcount it (libtpu 0.0.42: temporaries 384 MiB, a 392
     MiB peak, 136 MiB of arguments)."""
     import jax.numpy as jnp
-
-    topo = aot.topology("v5e:1x1")
     from starpo import sharding
 
-    mesh = sharding.make_mesh(1, 1, 1, devices=topo.devices)
+    mesh = _one_v5e_chip()
     L, B, S, D = 4, 16, 1024, 1024
 
     def steps(w, cache, x):
@@ -253,10 +258,9 @@ def test_the_plans_tpu_tile_padding_is_the_compiled_cache_buffers(kv_heads, head
     padded by exactly `memory.kv_tile_padding` (SmolLM2's 3 kv heads of 64: 2.7x)."""
     import re
     import jax.numpy as jnp
-    from starpo import memory, sharding
+    from starpo import memory
 
-    topo = aot.topology("v5e:1x1")
-    mesh = sharding.make_mesh(1, 1, 1, devices=topo.devices)
+    mesh = _one_v5e_chip()
     L, B, S, G = 2, 128, 512, 3
 
     def steps(cache, q, k):

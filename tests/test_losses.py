@@ -137,7 +137,8 @@ def test_aggregation_modes_and_micro_split(mode):
     rows = [x[b][mask[b]] for b in range(6) if mask[b].any()]
     want = {"token-mean": sum(r.sum() for r in rows) / sum(len(r) for r in rows),
             "seq-mean-token-sum": np.mean([r.sum() for r in rows]),
-            "seq-mean-token-mean": np.mean([r.mean() for r in rows])}[mode]
+            "seq-mean-token-mean": np.mean([r.mean() for r in rows]),
+            "seq-mean-token-sum-norm": np.mean([r.sum() for r in rows]) / 7}[mode]
     assert got == pytest.approx(float(want), rel=1e-5)
     assert parts == pytest.approx(got, rel=1e-5)
 

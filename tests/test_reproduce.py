@@ -476,23 +476,28 @@ def test_the_readmes_gpu_rows_are_the_evaluations_kept_in_the_repository():
     run's config.json and eval/ JSON, no checkpoints), gathered from the GPU leases:
     `python launch/reproduce.py --table=baselines --variant=gpu --seeds=0,1,2
     --workdir=results/smollm2_gpu --print_only` prints the tables from them, and each figure the
-    README's SmolLM2 GPU rows state for the slippery lake and Sokoban is the one there."""
+    README's SmolLM2 GPU rows state for both lakes and Sokoban is the one there."""
     rows = ("SFT", "SFT then RL", reproduce.PAIRED_ROW)
     data = reproduce.table_data("baselines", os.path.join(ROOT, "results", "smollm2_gpu"), rows,
-                                ("FrozenLake", "Sokoban"), "gpu", seeds=(0, 1, 2))
+                                ("FrozenLake", "FrozenLakeNonSlippery", "Sokoban"), "gpu",
+                                seeds=(0, 1, 2))
     got = {(row, column): ours / 100 for row, column, _, ours, *_ in data}
-    assert len(got) == 6 and None not in got.values()
+    assert len(got) == 9 and None not in got.values()
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read().splitlines()
 
     def row(start):
         return next(line for line in readme if line.startswith(start))
 
-    lake = row("| SmolLM2-135M on the paper's slippery FrozenLake on one GPU")
+    lake = row("| SmolLM2-135M on the paper's slippery lake")
     assert f"success **{got['SFT then RL', 'FrozenLake']:.3f}**" in lake
     assert f"SFT steps ({got['SFT', 'FrozenLake']:.3f})" in lake
     assert f"paired {got[rows[2], 'FrozenLake']:+.3f}" in lake
-    sokoban = row("| SmolLM2-135M on Sokoban on one GPU")
+    still = row("| SmolLM2-135M on RAGEN-2's non-slippery lake")
+    assert f"success **{got['SFT then RL', 'FrozenLakeNonSlippery']:.3f}**" in still
+    assert f"SFT steps ({got['SFT', 'FrozenLakeNonSlippery']:.3f})" in still
+    assert f"paired {got[rows[2], 'FrozenLakeNonSlippery']:+.3f}" in still
+    sokoban = row("| SmolLM2-135M on SimpleSokoban")
     assert f"success **{got['SFT then RL', 'Sokoban']:.3f}**" in sokoban
     assert f"SFT alone's {got['SFT', 'Sokoban']:.3f}" in sokoban
     assert f"paired {got[rows[2], 'Sokoban']:+.3f}" in sokoban
