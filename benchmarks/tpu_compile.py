@@ -90,6 +90,8 @@ def run_row(name, config, model, topo, overrides, out_dir) -> dict:
         "error": next((line for line in p.stderr.splitlines() if line.startswith("error: ")),
                       None),
     }
+    if p.returncode not in (0, 2):  # a crash, not a one-line error: keep what it printed last
+        record["stderr_tail"] = p.stderr.splitlines()[-30:]
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(record, f, indent=1)
