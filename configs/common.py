@@ -1,7 +1,7 @@
 """The config every env shares: the reference's knobs under the reference's names.
 
-`base(env)` returns the paper-sized run (docs/reference.md section 4) for an accelerator; each env file
-(`configs/frozenlake.py`, ...) adjusts it and adds variants picked after a colon:
+`base(env)` returns the paper-sized run (docs/reference.md section 4) for an accelerator; each
+env file (`configs/frozenlake.py`, ...) adjusts it and adds variants picked after a colon:
 
     python launch/train.py --config=configs/frozenlake.py          # the paper's settings
     python launch/train.py --config=configs/frozenlake.py:cpu      # a 2-core laptop
@@ -16,8 +16,8 @@ fails at start.
 import ml_collections
 
 # The algorithm knobs: `starpo.run_config.AlgoConfig`'s fields under the same names with its
-# defaults, which are the reference's (docs/reference.md section 4; tests/test_configs.py checks that
-# the two agree). `group_size` and `temperature` are read from `rollout`.
+# defaults, which are the reference's (docs/reference.md section 4; tests/test_configs.py checks
+# that the two agree). `group_size` and `temperature` are read from `rollout`.
 ALGORITHM = dict(
     # advantages
     adv_estimator="gae",  # gae | bi_level_gae | grpo | gigpo
@@ -73,7 +73,7 @@ ALGORITHM = dict(
     use_kl_in_reward=False,  # subtract kl_coef * KL from every model token's reward
     kl_penalty="kl",  # estimator of the in-reward KL (same choices)
     kl_coef=0.001,
-    loss_agg_mode="token-mean",  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode="token-mean",  # or seq-mean-token-sum, -token-mean, -token-sum-norm
     # DAPO's overlong reward shaping (verl's reward_model.overlong_buffer.len/.penalty_factor):
     # per turn, a reply within overlong_buffer_len tokens of rollout.response_length loses up
     # to penalty_factor (linearly, all of it at the limit); 0 = off

@@ -125,41 +125,38 @@ def main(argv):
             offload_runs.append((dataclasses.replace(off, rollout=dataclasses.replace(
                 off.rollout, decode_windows=1)), "offloading, 1 window"))
     rows, out = [], []
-    for name, cfg in cfgs.items():
-        for n in devices:
-            def gb_of(r):  # r's phases (GB per device) on n devices
-                # a TPU's choices made as on one (the cache's tile padding, memory.py)
-                with (precision.target("tpu") if FLAGS.backend == "tpu"
-                      else contextlib.nullcontext()):
-                    return _gb(r)
+    # a TPU's choices made as on one (the cache's tile padding, memory.kv_tile_padding)
+    target = precision.target("tpu") if FLAGS.backend == "tpu" else contextlib.nullcontext()
+    with target:
+        for name, cfg in cfgs.items():
+            for n in devices:
+                def gb_of(r):  # r's phases (GB per device) on n devices
+                    return memory.total_gb(memory.plan(
+                        r, cfg, mesh_shape=(1, n, 1), prompt_tokens=P, decode_dtype=dtype,
+                        update_dtype=dtype, contexts=(context, context),
+                        attention=kernels(FLAGS.backend, cfg, dtype),
+                        # an H100 / H200's (memory.matmul_workspace)
+                        workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu" else 0.0))
 
-            def _gb(r):
-                return memory.total_gb(memory.plan(
-                    r, cfg, mesh_shape=(1, n, 1), prompt_tokens=P, decode_dtype=dtype,
-                    update_dtype=dtype, contexts=(context, context),
-                    attention=kernels(FLAGS.backend, cfg, dtype),
-                    # an H100 / H200's (memory.matmul_workspace)
-                    workspace=memory.HOPPER_WORKSPACE if FLAGS.backend == "gpu" else 0.0))
+                gb = gb_of(run)
+                peak = max(gb.values())
+                # what a run on an accelerator tries where it does not fit (training.fit_memory):
+                # the state in host memory while sampling, then also one decode window
+                alts = [(label, gb_of(r)) for r, label in offload_runs]
+                tried = [(max(g.values()), label) for label, g in alts] if peak > 24 else []
 
-            gb = gb_of(run)
-            peak = max(gb.values())
-            # what a run on an accelerator tries where it does not fit (training.fit_memory):
-            # the state in host memory while sampling, then also one decode window
-            alts = [(label, gb_of(r)) for r, label in offload_runs]
-            tried = [(max(g.values()), label) for label, g in alts] if peak > 24 else []
+                def fit(cap):
+                    if peak <= cap:
+                        return "yes"
+                    return next((f"yes, {label} ({p:.1f})" for p, label in tried if p <= cap), "no")
 
-            def fit(cap):
-                if peak <= cap:
-                    return "yes"
-                return next((f"yes, {label} ({p:.1f})" for p, label in tried if p <= cap), "no")
-
-            fits = " / ".join(fit(cap) for cap in (24, 80))
-            sampling = "".join(f"; {label}: {g['rollout']:.1f}" for label, g in alts)
-            rows.append(f"| {name} | {n} | {gb['rollout']:.1f}{sampling} | {gb['validation']:.1f} "
-                        f"| {gb['update']:.1f} | {fits} |")
-            out.append({"model": name, "params": cfg.num_params, "devices": n, **gb,
-                        **{f"rollout_{_key(label)}": g["rollout"] for label, g in alts},
-                        **{f"peak_{_key(label)}": p for p, label in tried}})
+                fits = " / ".join(fit(cap) for cap in (24, 80))
+                sampling = "".join(f"; {label}: {g['rollout']:.1f}" for label, g in alts)
+                rows.append(f"| {name} | {n} | {gb['rollout']:.1f}{sampling} "
+                            f"| {gb['validation']:.1f} | {gb['update']:.1f} | {fits} |")
+                out.append({"model": name, "params": cfg.num_params, "devices": n, **gb,
+                            **{f"rollout_{_key(label)}": g["rollout"] for label, g in alts},
+                            **{f"peak_{_key(label)}": p for p, label in tried}})
     print("| model | devices | rollout GB (and with the state offloaded) | validation GB | "
           "update GB | fits 24 / 80 GB |")
     print("|---|---|---|---|---|---|")

@@ -1,4 +1,5 @@
-"""The dialogue's text: the reference's prompts (docs/reference.md section 3) as token tables and pieces.
+"""The dialogue's text: the reference's prompts (docs/reference.md section 3) as token tables
+and pieces.
 
 The dialogue is rendered through the model's chat template: system `You're a helpful
 assistant. `, first user message = env prefix + `\\nTurn 1:\\nState:\\n` + state +

@@ -142,7 +142,7 @@ class AlgoConfig:
     use_kl_in_reward: bool = False  # subtract kl_coef * KL from every model token's reward
     kl_penalty: str = "kl"  # estimator of the in-reward KL (same choices)
     kl_coef: float = 0.001
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = "token-mean"  # one of losses.LOSS_AGG_MODES
     # DAPO's overlong reward shaping (verl's reward_model.overlong_buffer.len / .penalty_factor),
     # per turn: a reply of L model tokens with response_length (max new tokens per turn) Lmax
     # loses factor x (L - (Lmax - len)) / len once L > Lmax - len (factor at Lmax); the turns'

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
 def _batch(seed: int):
-    """Random per-token tensors: log-probs whose ratios reach past the clip bounds and 3, advantages of
-    both signs, and a ragged mask (each row's reply starts and ends at its own token; one row
-    fully masked, as verl's aggregation leaves it out)."""
+    """Random per-token tensors: log-probs whose ratios reach past the clip bounds and 3,
+    advantages of both signs, and a ragged mask (each row's reply starts and ends at its own
+    token; one row fully masked, as verl's aggregation leaves it out)."""
     rng = np.random.default_rng(seed)
     old = rng.normal(-2.0, 1.0, (B, T)).astype(np.float32)
     new = (old + rng.normal(0.0, 0.4, (B, T))).astype(np.float32)
