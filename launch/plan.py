@@ -40,7 +40,7 @@ from launch import common  # noqa: E402
 
 CONFIG = common.define_config("Config file, e.g. configs/frozenlake.py.")
 flags.DEFINE_list("models", "smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b",
-                  "Model shapes (see SHAPES).")
+                  "Model shapes (starpo/families.py SHAPES: smollm2-135m, qwen2.5-*, qwen3-*).")
 flags.DEFINE_list("devices", "1,8", "Device counts (FSDP over all of them).")
 flags.DEFINE_enum("backend", "gpu", ["gpu", "tpu", "cpu"],
                   "The platform planned for (its dtypes and attention kernels).")
@@ -51,24 +51,12 @@ flags.DEFINE_string("topology", None, "A TPU slice to compile every program for 
                     "v5e:2x2): replaces --devices and --backend (needs libtpu).")
 FLAGS = flags.FLAGS
 
-# (layers, hidden, heads, kv_heads, head_dim, mlp, vocab, qkv_bias, tied) of the models' configs
-SHAPES = {
-    "smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152, False, True),
-    "qwen2.5-0.5b": (24, 896, 14, 2, 64, 4864, 151936, True, True),
-    "qwen2.5-1.5b": (28, 1536, 12, 2, 128, 8960, 151936, True, True),
-    "qwen2.5-3b": (36, 2048, 16, 2, 128, 11008, 151936, True, True),
-    "qwen2.5-7b": (28, 3584, 28, 4, 128, 18944, 152064, True, False),
-}
-
-
 def model_config(name: str):
+    """The ModelConfig of a published model's shape (`starpo.families.SHAPES`)."""
+    from starpo import families
     from starpo.model import ModelConfig
 
-    if name not in SHAPES:
-        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
-    L, D, H, K, E, F, V, bias, tied = SHAPES[name]
-    return ModelConfig(vocab_size=V, hidden_size=D, num_layers=L, num_heads=H, num_kv_heads=K,
-                       head_dim=E, intermediate_size=F, qkv_bias=bias, tie_embeddings=tied)
+    return ModelConfig(**families.shape(name).fields())
 
 
 def kernels(backend: str, cfg, dtype: str) -> str:

@@ -1,8 +1,10 @@
-"""Llama / Qwen2-family decoder in Flax, with a functional KV cache and an optional value head.
+"""The decoder of the Llama, Qwen2 and Qwen3 families in Flax, with a functional KV cache and an
+optional value head.
 
-One module covers SmolLM2, Llama 3.x and Qwen2.5: RMSNorm, rotary embeddings (theta from the
-checkpoint, Llama-3 frequency scaling where configured), grouped-query attention, SwiGLU MLP,
-optional q/k/v bias (Qwen2), tied or untied output head.
+One module covers SmolLM2, Llama 3.x, Qwen2.5 and Qwen3: RMSNorm, rotary embeddings (theta from
+the checkpoint, Llama-3 frequency scaling where configured), grouped-query attention, SwiGLU
+MLP, tied or untied output head, and the switches a family sets (`starpo/families.py`): q/k/v
+bias (Qwen2), an RMSNorm over each head's query and key before the rotary embedding (Qwen3).
 
 One driver, `hidden_states`, runs every forward (training forward, cache append, decode step):
 it computes the chunk's geometry (rotary positions, masks, cache write slots, context window)
@@ -42,6 +44,7 @@ import numpy as np
 from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 
+from starpo.families import FAMILIES
 from starpo.precision import backend as target_backend
 from starpo.sharding import constrain, tree_shardings
 
@@ -89,6 +92,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's query and key before rotary (Qwen3)
+    family: str = "llama"  # the checkpoints' family (starpo/families.py): names them on export
     max_position_embeddings: int = 8192
     value_head: bool = False
     dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay float32
@@ -122,6 +127,8 @@ class ModelConfig:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r}; known: "
                              f"{', '.join(DECODE_ATTENTION)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r}; known: {', '.join(FAMILIES)}")
         if self.lora_rank < 0 or (self.lora_rank and not self.lora_targets):
             raise ValueError(f"lora_rank={self.lora_rank} with targets {self.lora_targets}")
 
@@ -136,6 +143,8 @@ class ModelConfig:
         per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
         if self.qkv_bias:
             per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         head = 0 if self.tie_embeddings else d * v
         return v * d + L * per_layer + d + head
 
@@ -252,10 +261,11 @@ def _partitioned(init, axes):
 class RMSNorm(nn.Module):
     eps: float
     param_dtype: Any = jnp.float32
+    axis: str = "embed"  # the logical axis of the normalised (last) dimension
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", _partitioned(nn.initializers.ones, ("embed",)),
+        scale = self.param("scale", _partitioned(nn.initializers.ones, (self.axis,)),
                            (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -591,6 +601,9 @@ class Attention(nn.Module):
         q = _projection(x, (H, E), ("embed", "heads", "head_dim"), "q", cfg, cfg.qkv_bias)
         k = _projection(x, (K, E), ("embed", "kv_heads", "head_dim"), "k", cfg, cfg.qkv_bias)
         v = _projection(x, (K, E), ("embed", "kv_heads", "head_dim"), "v", cfg, cfg.qkv_bias)
+        if cfg.qk_norm:  # each head's query and key normalised over its E dims, then rotated
+            q = RMSNorm(cfg.rms_norm_eps, axis="head_dim", name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, axis="head_dim", name="k_norm")(k)
         inv_freq = rope_inv_freq(cfg)
         B, T = x.shape[:2]
         q = apply_rope(q, positions, inv_freq).reshape(B, T, K, H // K, E) / math.sqrt(E)

@@ -9,6 +9,9 @@ export.
 
 GGUF files written by llama.cpp for the `llama` architecture store the rows of Q and K
 interleaved for its rotary layout; `_unpermute_rows` restores the checkpoint's half-split order.
+What differs between the families (their files' names, their switches) is one row each in
+`starpo/families.py`; a config.json field this code does not honour is an error, not a model
+that silently computes something else.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from starpo import families
 from starpo import model as model_lib
 from starpo.model import ModelConfig
 from starpo.tokenizer import Tokenizer
@@ -44,7 +48,7 @@ class Entry:
     path: str  # parameter path in our tree ("layers/..." entries are stacked over layers)
     hf: str  # Hugging Face name; "{i}" is the layer index
     gguf: str  # GGUF name
-    shape: tuple[str, ...]  # shape in the files: D hidden, F mlp, V vocab, Q = H*E, KV = K*E
+    shape: tuple[str, ...]  # in the files: D hidden, F mlp, V vocab, E head, Q = H*E, KV = K*E
     linear: bool  # stored [out, in]: transpose to our [in, out]
 
 
@@ -66,6 +70,10 @@ TABLE = (
           "blk.{i}.attn_k.bias", ("KV",), False),
     Entry("layers/attn/v/bias", "model.layers.{i}.self_attn.v_proj.bias",
           "blk.{i}.attn_v.bias", ("KV",), False),
+    Entry("layers/attn/q_norm/scale", "model.layers.{i}.self_attn.q_norm.weight",
+          "blk.{i}.attn_q_norm.weight", ("E",), False),
+    Entry("layers/attn/k_norm/scale", "model.layers.{i}.self_attn.k_norm.weight",
+          "blk.{i}.attn_k_norm.weight", ("E",), False),
     Entry("layers/attn/o/kernel", "model.layers.{i}.self_attn.o_proj.weight",
           "blk.{i}.attn_output.weight", ("D", "Q"), True),
     Entry("layers/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight",
@@ -78,13 +86,10 @@ TABLE = (
           "blk.{i}.ffn_down.weight", ("D", "F"), True),
 )
 
-# Architectures: HF class name / GGUF architecture -> family, and whether llama.cpp permuted Q/K.
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-GGUF_PERMUTES_QK = {"llama": True, "qwen2": False}
-
 
 def file_shape(entry: Entry, cfg: ModelConfig) -> tuple[int, ...]:
     sizes = {"D": cfg.hidden_size, "F": cfg.intermediate_size, "V": cfg.vocab_size,
+             "E": cfg.head_dim,
              "Q": cfg.num_heads * cfg.head_dim, "KV": cfg.num_kv_heads * cfg.head_dim}
     return tuple(sizes[s] for s in entry.shape)
 
@@ -170,15 +175,20 @@ def tensors_from_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]
 
 # ----------------------------------------------------------------------------- HF directories
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict."""
+    """ModelConfig from a Hugging Face config.json dict. A setting the model here does not
+    compute (an activation, an MLP bias, sliding windows, a rope scaling type) is a LoadError."""
     arch = (hf.get("architectures") or ["?"])[0]
-    family = HF_ARCHITECTURES.get(arch)
-    if family is None:
+    fam = families.BY_HF_ARCHITECTURE.get(arch)
+    if fam is None:
         raise LoadError(f"{source}: architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(HF_ARCHITECTURES)})")
+                        f"(supported: {', '.join(families.BY_HF_ARCHITECTURE)})")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise LoadError(f"{source}: hidden_act={act!r} is not supported (silu only)")
     if hf.get("mlp_bias"):
         raise LoadError(f"{source}: mlp_bias=true is not supported")
-    if hf.get("use_sliding_window"):
+    layer_types = set(hf.get("layer_types") or ())
+    if hf.get("use_sliding_window") or layer_types - {"full_attention"}:
         raise LoadError(f"{source}: sliding-window attention is not supported")
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
@@ -193,6 +203,7 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
     try:
         heads = int(hf["num_attention_heads"])
         fields = dict(
+            family=fam.name,
             vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
             num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
@@ -201,7 +212,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
             rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qkv_bias=fam.qkv_bias or bool(hf.get("attention_bias", False)),
+            qk_norm=fam.qk_norm,
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         )
     except KeyError as e:
@@ -255,11 +267,11 @@ def load_hf_dir(directory: str, **overrides) -> tuple[ModelConfig, dict, Tokeniz
 
 
 def hf_config(cfg: ModelConfig, tok: Tokenizer) -> dict:
-    """config.json for `cfg` (Qwen2 when q/k/v carry a bias, else Llama)."""
-    qwen = cfg.qkv_bias
+    """config.json for `cfg`, in its family's names."""
+    fam = families.family(cfg.family)
     out = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama", "hidden_act": "silu",
+        "architectures": [fam.hf_architecture], "model_type": fam.model_type,
+        "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -272,8 +284,11 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer) -> dict:
         factor, low, high, old = cfg.rope_scaling
         out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                                "high_freq_factor": high, "original_max_position_embeddings": old}
-    if not qwen:
-        out["attention_bias"] = False
+    if (fam.qkv_bias and not cfg.qkv_bias) or cfg.qk_norm != fam.qk_norm:
+        raise LoadError(f"a {cfg.family} model with qkv_bias={cfg.qkv_bias}, "
+                        f"qk_norm={cfg.qk_norm} has no Hugging Face architecture to export to")
+    if not fam.qkv_bias:  # the families whose bias is a switch (attention_bias)
+        out["attention_bias"] = cfg.qkv_bias
     return out
 
 
@@ -348,9 +363,10 @@ def gguf_metadata(reader) -> dict:
 
 def config_from_gguf(meta: dict, tensor_names: set[str], source: str, **overrides) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in GGUF_PERMUTES_QK:
+    if arch not in families.BY_GGUF_ARCHITECTURE:
         raise LoadError(f"{source}: architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(GGUF_PERMUTES_QK)})")
+                        f"(supported: {', '.join(families.BY_GGUF_ARCHITECTURE)})")
+    fam = families.BY_GGUF_ARCHITECTURE[arch]
     if "rope_freqs.weight" in tensor_names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
         raise LoadError(f"{source}: rope scaling in GGUF files is not supported; "
                         "load the Hugging Face checkpoint instead")
@@ -363,14 +379,14 @@ def config_from_gguf(meta: dict, tensor_names: set[str], source: str, **override
     heads, width = int(need("attention.head_count")), int(need("embedding_length"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     fields = dict(
-        vocab_size=int(vocab), hidden_size=width, num_layers=int(need("block_count")),
+        family=fam.name, vocab_size=int(vocab), hidden_size=width, num_layers=int(need("block_count")),
         num_heads=heads, num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", width // heads)),
         intermediate_size=int(need("feed_forward_length")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names, qk_norm=fam.qk_norm,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
     )
     return ModelConfig(**{**fields, **overrides})
@@ -384,7 +400,7 @@ def load_gguf(path: str, **overrides):
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_gguf(meta, set(tensors), path, **overrides)
-    permute = GGUF_PERMUTES_QK[meta["general.architecture"]]
+    permute = families.BY_GGUF_ARCHITECTURE[meta["general.architecture"]].gguf_permutes_qk
 
     def get(name):
         t = tensors.get(name)
@@ -495,25 +511,51 @@ def tiny_config(vocab_size: int, layers=2, hidden=64, heads=4, kv_heads=2, head_
                        intermediate_size=mlp, rope_theta=float(theta), **{**fields, **overrides})
 
 
-# `random:...`: any Llama / Qwen2 shape exactly (the vocabulary as given, not rounded to a
+# `random:...`: any shape of the families exactly (the vocabulary as given, not rounded to a
 # tokenizer's), random weights, and the tiny in-process tokenizer as a stand-in (its 384 ids are
 # the first rows of the embedding): for benchmarks and memory plans at a real model's shape
-# without its weights, e.g. Qwen2.5-0.5B (494,032,768 parameters):
+# without its weights. A published model's shape by its name (`families.SHAPES`), e.g.
+# `random:qwen3-0.6b` (596,049,920 parameters, seed=N optional), or by its numbers, e.g.
+# Qwen2.5-0.5B (494,032,768 parameters):
 #   random:layers=24,hidden=896,heads=14,kv_heads=2,head_dim=64,mlp=4864,vocab=151936,qkv_bias=1,tie=1
-RANDOM_DEFAULTS = dict(TINY_DEFAULTS, qkv_bias=0, tie=1, theta=1000000)
-_FLAGS = ("qkv_bias", "tie")
+# (the family from the switches: qk_norm=1 Qwen3, else qkv_bias=1 Qwen2, else Llama; `tiny:`
+# takes qkv_bias and qk_norm too).
+RANDOM_DEFAULTS = dict(TINY_DEFAULTS, qkv_bias=0, tie=1, theta=1000000, qk_norm=0)
+_FLAGS = ("qkv_bias", "tie", "qk_norm")
+_SWITCHES = ("qkv_bias", "qk_norm")  # off by default in a `tiny:` spec too
 _STAND_IN_VOCAB = 384  # the stand-in tokenizer's ids (`Tokenizer.tiny`'s default)
 
 
+def _family_of(qkv_bias: bool, qk_norm: bool) -> str:
+    return "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+
+
 def _parse_tiny(spec: str, defaults: dict = TINY_DEFAULTS) -> dict:
-    """The options of a `tiny:` (or, with RANDOM_DEFAULTS, `random:`) spec, checked."""
+    """The options of a `tiny:` (or, with RANDOM_DEFAULTS, `random:`) spec, checked. A
+    `random:NAME` spec gives {"shape": NAME, "seed": N}."""
     opts = dict(defaults)
+    if defaults is TINY_DEFAULTS:
+        opts.update({k: 0 for k in _SWITCHES})
     kind, _, rest = spec.partition(":")
-    for item in filter(None, rest.split(",")):
+    items = list(filter(None, rest.split(",")))
+    if kind == "random" and items and "=" not in items[0]:
+        try:
+            families.shape(items[0])
+        except ValueError as e:
+            raise LoadError(f"random model: {e}") from None
+        named = {"shape": items[0], "seed": 0}
+        for item in items[1:]:
+            key, eq, value = item.partition("=")
+            if key != "seed" or not value.isdigit():
+                raise LoadError(f"random model option {item!r} is not valid after a shape's "
+                                "name (only seed=N)")
+            named["seed"] = int(value)
+        return named
+    for item in items:
         key, eq, value = item.partition("=")
         if key not in opts or not eq:
             raise LoadError(f"{kind} model option {item!r} is not valid "
-                            f"(options: {', '.join(f'{k}=N' for k in defaults)})")
+                            f"(options: {', '.join(f'{k}=N' for k in opts)})")
         try:
             opts[key] = int(value)
         except ValueError:
@@ -528,11 +570,19 @@ def _parse_tiny(spec: str, defaults: dict = TINY_DEFAULTS) -> dict:
     return opts
 
 
+def _tiny_fields(opts: dict) -> dict:
+    """tiny_config's keyword arguments of parsed options (no vocab, no seed)."""
+    o = {k: v for k, v in opts.items() if k not in ("vocab", "seed")}
+    switches = {k: bool(o.pop(k, 0)) for k in _SWITCHES}
+    return dict(o, **switches, family=_family_of(**switches))
+
+
 def random_config(opts: dict, **overrides) -> ModelConfig:
-    """The exact ModelConfig of parsed `random:` options (no `seed`)."""
-    o = {k: v for k, v in opts.items() if k != "seed"}
-    return tiny_config(o.pop("vocab"), tie_embeddings=bool(o.pop("tie")),
-                       qkv_bias=bool(o.pop("qkv_bias")), **o,
+    """The exact ModelConfig of parsed `random:` options."""
+    if "shape" in opts:
+        return ModelConfig(**{**families.shape(opts["shape"]).fields(), **overrides})
+    o = _tiny_fields(opts)
+    return tiny_config(opts["vocab"], tie_embeddings=bool(o.pop("tie")), **o,
                        **{"max_position_embeddings": 32768, **overrides})
 
 
@@ -546,7 +596,8 @@ class LoadedModel:
 
 
 MODEL_NAMES = ("smollm2-135m-instruct", "tiny[:layers=N,hidden=N,...]",
-               "random:layers=N,hidden=N,...,vocab=N,qkv_bias=0|1,tie=0|1",
+               "random:NAME (a shape: " + ", ".join(families.SHAPES) + ")",
+               "random:layers=N,hidden=N,...,vocab=N,qkv_bias=0|1,qk_norm=0|1,tie=0|1",
                "a Hugging Face checkpoint directory", "a .gguf file")
 
 
@@ -568,11 +619,11 @@ def load_model(spec: str, *, tiny_corpus=(), tiny_tokenizer: dict | None = None,
         return LoadedModel(cfg, params, Tokenizer.tiny(vocab_size=_STAND_IN_VOCAB), spec)
     if kind == "tiny":
         opts = _parse_tiny(spec)
-        tok = Tokenizer.tiny(tiny_corpus, vocab_size=opts.pop("vocab"), **(tiny_tokenizer or {}))
-        seed = opts.pop("seed")
+        tok = Tokenizer.tiny(tiny_corpus, vocab_size=opts["vocab"], **(tiny_tokenizer or {}))
         # round the embedding table up to a multiple of 64 (the tokenizer may learn fewer merges)
         vocab = int(math.ceil(tok.vocab_size / 64) * 64)
-        cfg = tiny_config(vocab, **opts, **overrides)
+        cfg = tiny_config(vocab, **{**_tiny_fields(opts), **overrides})
+        seed = opts["seed"]
         return LoadedModel(cfg, model_lib.init_params(cfg, jax.random.key(seed)), tok, spec)
     if kind == "gguf":
         cfg, params, tok = load_gguf(spec, **overrides)
@@ -592,7 +643,7 @@ def model_kind(spec: str) -> str:
     if spec == "tiny" or spec.startswith("tiny:"):
         opts = _parse_tiny(spec)
         try:
-            tiny_config(opts["vocab"], **{k: v for k, v in opts.items() if k not in ("vocab", "seed")})
+            tiny_config(opts["vocab"], **_tiny_fields(opts))
         except (ValueError, TypeError) as e:
             raise LoadError(f"model {spec!r}: {e}") from None
         return "tiny"

@@ -88,6 +88,9 @@ LLAMA_LIKE = dict(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8
 QWEN_LIKE = dict(vocab=96, hidden=48, layers=3, heads=6, kv_heads=2, head_dim=8, mlp=64,
                  theta=500000.0, eps=1e-6, tied=False, bias=True,
                  scaling=(8.0, 1.0, 4.0, 64))
+# Qwen3's differences: q/k norms, no bias, a head dim that is not hidden / heads
+QWEN3_LIKE = dict(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=48,
+                  theta=1000000.0, eps=1e-6, tied=True, bias=False, scaling=None, qk_norm=True)
 
 
 def random_hf_tensors(c, seed=0):
@@ -110,6 +113,9 @@ def random_hf_tensors(c, seed=0):
         t[p + "self_attn.k_proj.weight"] = w(K * E, D)
         t[p + "self_attn.v_proj.weight"] = w(K * E, D)
         t[p + "self_attn.o_proj.weight"] = w(D, H * E)
+        if c.get("qk_norm"):
+            t[p + "self_attn.q_norm.weight"] = 1 + w(E, scale=0.3)
+            t[p + "self_attn.k_norm.weight"] = 1 + w(E, scale=0.3)
         if c["bias"]:
             t[p + "self_attn.q_proj.bias"] = w(H * E)
             t[p + "self_attn.k_proj.bias"] = w(K * E)
@@ -122,9 +128,11 @@ def random_hf_tensors(c, seed=0):
 
 def hf_config_json(c):
     """A config.json dict for config numbers `c` (written independently of starpo)."""
+    model_type = "qwen3" if c.get("qk_norm") else "qwen2" if c["bias"] else "llama"
     out = {
-        "architectures": ["Qwen2ForCausalLM" if c["bias"] else "LlamaForCausalLM"],
-        "model_type": "qwen2" if c["bias"] else "llama",
+        "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "llama": "LlamaForCausalLM"}[model_type]],
+        "model_type": model_type,
         "vocab_size": c["vocab"], "hidden_size": c["hidden"], "num_hidden_layers": c["layers"],
         "num_attention_heads": c["heads"], "num_key_value_heads": c["kv_heads"],
         "intermediate_size": c["mlp"], "rope_theta": c["theta"], "rms_norm_eps": c["eps"],

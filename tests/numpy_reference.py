@@ -63,7 +63,11 @@ def forward(t, c, ids, positions=None, visible=None):
                 y = y + f64[p + f"self_attn.{name}_proj.bias"]
             return y.reshape(T, n, E)
 
-        q, k, v = rope(proj("q", H), pos, freqs), rope(proj("k", K), pos, freqs), proj("v", K)
+        q, k = proj("q", H), proj("k", K)
+        if p + "self_attn.q_norm.weight" in f64:  # Qwen3: each head normalised before rotary
+            q = rms_norm(q, f64[p + "self_attn.q_norm.weight"], c["eps"])
+            k = rms_norm(k, f64[p + "self_attn.k_norm.weight"], c["eps"])
+        q, k, v = rope(q, pos, freqs), rope(k, pos, freqs), proj("v", K)
         out = np.zeros((T, H, E))
         for head in range(H):
             kv = head // (H // K)

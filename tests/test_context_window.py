@@ -150,7 +150,10 @@ GROUPS, GROUP_SIZE, MAX_TURN, N_TOKENS = 2, 2, 3, 8
 
 @pytest.fixture(scope="module")
 def tiny():
-    m = weights.load_model("tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64")
+    # Qwen3's per-head q/k norms on: the newest family's forward in sampler and update alike
+    m = weights.load_model("tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64,"
+                           "qk_norm=1")
+    assert m.cfg.family == "qwen3"
     return m, m.params
 
 

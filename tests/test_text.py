@@ -130,3 +130,43 @@ def test_max_state_tokens_bounds_every_state_and_is_tight(name):
         assert env_text.max_state_tokens(t, lengths) == 40 + 3
     else:
         assert bound == 3
+
+
+# A template with Qwen3's two habits, written here: `enable_thinking=False` puts an empty think
+# block in the generation prompt, and an assistant turn before the last user message loses
+# the text up to its `</think>`.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=0) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m.content -%}"
+    "{%- if m.role == 'assistant' and '</think>' in content and loop.index0 < ns.last_user -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}{%- endif -%}")
+
+
+class _Rendered:
+    def __init__(self, **options):
+        self.options = options
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        import jinja2
+
+        return jinja2.Template(THINKING_TEMPLATE).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.options)
+
+
+def test_a_thinking_switch_template_left_at_its_default_gives_the_plain_pieces():
+    # the dialogue renders the template without enable_thinking (as the reference does): the
+    # generation prompt is the plain assistant header, the same text as before a kept reply
+    assert dialogue.chat_pieces(_Rendered()) == dict(
+        start="<|im_start|>system\n", system_to_user="<|im_end|>\n<|im_start|>user\n",
+        user_to_assistant="<|im_end|>\n<|im_start|>assistant\n",
+        assistant_to_user="<|im_end|>\n<|im_start|>user\n")
+    # thinking switched off, the generation prompt would carry an empty think block that no
+    # kept reply has: refused in one line rather than a dialogue the reference never shows
+    with pytest.raises(ValueError, match="generation prompt .*think"):
+        dialogue.chat_pieces(_Rendered(enable_thinking=False))

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from starpo import model as M
 from starpo import weights
 from tests import numpy_reference
-from tests.conftest import LLAMA_LIKE, QWEN_LIKE, hf_config_json, random_hf_tensors
+from tests.conftest import LLAMA_LIKE, QWEN3_LIKE, QWEN_LIKE, hf_config_json, random_hf_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,8 @@ GGUF_NAMES = {"embed_tokens": "token_embd", "input_layernorm": "attn_norm",
               "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_name(hf_name):
@@ -65,6 +66,8 @@ def write_gguf(path, arch, c, tensors, tok, quantise=()):
     w.add_feed_forward_length(c["mlp"])
     w.add_head_count(c["heads"])
     w.add_head_count_kv(c["kv_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
     w.add_rope_freq_base(c["theta"])
     w.add_layer_norm_rms_eps(c["eps"])
     raw = tok.hf.backend_tokenizer
@@ -107,15 +110,18 @@ def assert_loaded_matches(m, c, tensors):
     np.testing.assert_allclose(np.asarray(got[0]), want, atol=2e-4, rtol=2e-4)
 
 
-def test_hf_dir_round_trip_and_export(tmp_path, tiny_tokenizer):
-    tensors = random_hf_tensors(QWEN_LIKE, seed=3)
-    m = weights.load_model(write_hf_dir(tmp_path / "src", QWEN_LIKE, tensors, tiny_tokenizer))
-    assert m.cfg.qkv_bias and not m.cfg.tie_embeddings and m.cfg.rope_scaling == (8.0, 1.0, 4.0, 64)
+@pytest.mark.parametrize("c", [QWEN_LIKE, QWEN3_LIKE], ids=["qwen2", "qwen3"])
+def test_hf_dir_round_trip_and_export(tmp_path, tiny_tokenizer, c):
+    tensors = random_hf_tensors(c, seed=3)
+    m = weights.load_model(write_hf_dir(tmp_path / "src", c, tensors, tiny_tokenizer))
+    assert (m.cfg.qkv_bias, m.cfg.qk_norm, m.cfg.tie_embeddings) == (
+        c["bias"], c.get("qk_norm", False), c["tied"])
+    assert m.cfg.rope_scaling == c["scaling"] and m.cfg.head_dim == c["head_dim"]
     # one tensor checked by hand: q_proj [H*E, D] becomes kernel [D, H, E]
     q = tensors["model.layers.1.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(m.params["layers"]["attn"]["q"]["kernel"][1],
-                                  q.T.reshape(48, 6, 8))
-    assert_loaded_matches(m, QWEN_LIKE, tensors)
+                                  q.T.reshape(c["hidden"], c["heads"], c["head_dim"]))
+    assert_loaded_matches(m, c, tensors)
     weights.save_hf_dir(str(tmp_path / "out"), m.cfg, m.params, m.tokenizer)
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(back) == set(tensors)
@@ -126,7 +132,8 @@ def test_hf_dir_round_trip_and_export(tmp_path, tiny_tokenizer):
     assert again.tokenizer.encode("Turn 1: Up || Left") == m.tokenizer.encode("Turn 1: Up || Left")
 
 
-@pytest.mark.parametrize("arch,c", [("llama", LLAMA_LIKE), ("qwen2", dict(QWEN_LIKE, scaling=None))])
+@pytest.mark.parametrize("arch,c", [("llama", LLAMA_LIKE), ("qwen2", dict(QWEN_LIKE, scaling=None)),
+                                    ("qwen3", QWEN3_LIKE)])
 def test_gguf_round_trip(tmp_path, tiny_tokenizer, arch, c):
     tensors = random_hf_tensors(c, seed=4)
     candidates = ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight",
@@ -135,6 +142,7 @@ def test_gguf_round_trip(tmp_path, tiny_tokenizer, arch, c):
     stored = write_gguf(tmp_path / "m.gguf", arch, c, tensors, tiny_tokenizer, quantise)
     m = weights.load_model(str(tmp_path / "m.gguf"))
     assert m.cfg.qkv_bias == c["bias"] and m.cfg.tie_embeddings == c["tied"]
+    assert (m.cfg.family, m.cfg.qk_norm) == (arch, c.get("qk_norm", False))
     # q_proj comes back in checkpoint order (Q8_0 error, where quantised, is ~1e-3)
     src = tensors["model.layers.1.self_attn.q_proj.weight"]
     got = np.asarray(m.params["layers"]["attn"]["q"]["kernel"][1]).reshape(c["hidden"], -1).T
@@ -182,8 +190,22 @@ def test_unknown_architecture(tmp_path, tiny_tokenizer):
     cfg = json.load(open(os.path.join(d, "config.json")))
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    with pytest.raises(weights.LoadError, match="architecture 'GPTNeoXForCausalLM' is not supported"):
+    with pytest.raises(weights.LoadError, match="architecture 'GPTNeoXForCausalLM' is not "
+                       r"supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM\)"):
         weights.load_model(d)
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling type 'yarn'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
+    (dict(use_sliding_window=True), "sliding-window"),
+    (dict(mlp_bias=True), "mlp_bias")])
+def test_a_setting_the_model_does_not_compute_is_an_error(change, named):
+    hf = dict(hf_config_json(QWEN3_LIKE), **change)
+    with pytest.raises(weights.LoadError, match=named):
+        weights.config_from_hf(hf)
+    assert weights.config_from_hf(hf_config_json(QWEN3_LIKE)).qk_norm  # unchanged, it loads
 
 
 def test_corrupt_files(tmp_path, tiny_tokenizer):
