@@ -1,16 +1,19 @@
 """The model families, each in one row: what its checkpoints are called and how it differs.
 
 A family's row (`Family`) says how its files name it (the Hugging Face architecture and model
-type, llama.cpp's GGUF architecture), whether llama.cpp's converter interleaved its Q/K rows,
-and the architectural switches it sets on `ModelConfig` (q/k/v bias, per-head q/k norms). The
-model, the loaders, export and the memory plan read these switches, never the family's name.
+type, llama.cpp's GGUF architecture, tensor names that differ from `weights.TABLE`'s), how
+llama.cpp's converter changed its tensors (Q/K rows interleaved, norm weights stored as 1 + w),
+and the architectural switches it sets on `ModelConfig`. The model, the loaders, export and the
+memory plan read the switches, never the family's name.
 
-    family  HF architecture     GGUF    Q/K rows permuted  q/k/v bias  q/k norm
-    llama   LlamaForCausalLM    llama   yes                no (*)      no
-    qwen2   Qwen2ForCausalLM    qwen2   no                 yes         no
-    qwen3   Qwen3ForCausalLM    qwen3   no                 no (*)      yes
+    family  HF architecture     GGUF    switches
+    llama   LlamaForCausalLM    llama   (none; llama.cpp interleaves its Q/K rows)
+    qwen2   Qwen2ForCausalLM    qwen2   q/k/v bias
+    qwen3   Qwen3ForCausalLM    qwen3   q/k norms
+    gemma3  Gemma3ForCausalLM   gemma3  q/k norms, (1 + w) norms, sandwich norms, tanh-GELU,
+                                        scaled embeddings; sliding-window layers from config
 
-(*) unless the checkpoint's config.json sets `attention_bias`.
+A q/k/v bias is also a switch of config.json (`attention_bias`) for Llama and Qwen3.
 
 `SHAPES` holds the published shapes of the models a user would bring, by name: the memory plan
 (`launch/plan.py --models=...`) and the weight-free `random:NAME` models are built from them.
@@ -27,15 +30,33 @@ class Family:
     hf_architecture: str  # config.json's "architectures"[0]
     model_type: str  # config.json's "model_type"
     gguf_architecture: str  # a GGUF file's general.architecture
-    gguf_permutes_qk: bool  # llama.cpp's converter interleaved Q/K rows for its rotary layout
-    qkv_bias: bool  # the q, k and v projections carry a bias
-    qk_norm: bool  # an RMSNorm over each head's query and key, before the rotary embedding
+    gguf_permutes_qk: bool = False  # llama.cpp's converter interleaved Q/K rows (rotary layout)
+    gguf_norms_plus_one: bool = False  # llama.cpp stores a (1 + w) norm's weight as 1 + w
+    switches: tuple[tuple[str, object], ...] = ()  # the ModelConfig fields the family sets
+    hf_names: tuple[tuple[str, str], ...] = ()  # parameter path -> HF name, where it differs
+    sliding_layers: bool = False  # config.json may make layers sliding-window ones
+
+    def fields(self) -> dict:
+        """The ModelConfig switches of the family (the rest at ModelConfig's defaults)."""
+        return {"family": self.name, "qkv_bias": False, "qk_norm": False, **dict(self.switches)}
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.fields()["qkv_bias"]
 
 
+_GEMMA = (("qk_norm", True), ("norm_plus_one", True), ("sandwich_norms", True),
+          ("activation", "gelu_tanh"), ("embed_scale", True))
 FAMILIES = {f.name: f for f in (
-    Family("llama", "LlamaForCausalLM", "llama", "llama", True, qkv_bias=False, qk_norm=False),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", "qwen2", False, qkv_bias=True, qk_norm=False),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3", False, qkv_bias=False, qk_norm=True),
+    Family("llama", "LlamaForCausalLM", "llama", "llama", gguf_permutes_qk=True),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", "qwen2", switches=(("qkv_bias", True),)),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3", switches=(("qk_norm", True),)),
+    # Gemma 3's HF "post_attention_layernorm" is the norm after attention (Llama's is the one
+    # before the MLP, which Gemma calls "pre_feedforward_layernorm")
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", "gemma3", gguf_norms_plus_one=True,
+           switches=_GEMMA, sliding_layers=True,
+           hf_names=(("layers/mlp_norm/scale",
+                      "model.layers.{i}.pre_feedforward_layernorm.weight"),)),
 )}
 BY_HF_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES.values()}
 BY_GGUF_ARCHITECTURE = {f.gguf_architecture: f for f in FAMILIES.values()}
@@ -64,17 +85,23 @@ class Shape:
     theta: float
     eps: float
     max_positions: int
+    window: int = 0  # sliding-window layers: the window, and every `pattern`-th layer global
+    pattern: int = 0
+    query_scale: float = 0.0
+    linear: float = 1.0  # linear rope scaling of the global layers
 
     def fields(self) -> dict:
         """The ModelConfig fields of the shape."""
-        f = family(self.family)
-        return dict(family=f.name, vocab_size=self.vocab, hidden_size=self.hidden,
+        local = tuple(i for i in range(self.layers) if self.pattern and (i + 1) % self.pattern)
+        return dict(family(self.family).fields(), vocab_size=self.vocab, hidden_size=self.hidden,
                     num_layers=self.layers, num_heads=self.heads, num_kv_heads=self.kv_heads,
                     head_dim=self.head_dim, intermediate_size=self.mlp, rope_theta=self.theta,
-                    rms_norm_eps=self.eps, tie_embeddings=self.tied, qkv_bias=f.qkv_bias,
-                    qk_norm=f.qk_norm, max_position_embeddings=self.max_positions)
+                    rms_norm_eps=self.eps, tie_embeddings=self.tied,
+                    max_position_embeddings=self.max_positions, sliding_window=self.window,
+                    local_layers=local, query_scale=self.query_scale, rope_linear=self.linear)
 
 
+_GEMMA3 = dict(theta=1e6, eps=1e-6, pattern=6, query_scale=256.0)
 SHAPES = {
     "smollm2-135m": Shape("llama", 30, 576, 9, 3, 64, 1536, 49152, True, 1e5, 1e-5, 8192),
     "qwen2.5-0.5b": Shape("qwen2", 24, 896, 14, 2, 64, 4864, 151936, True, 1e6, 1e-6, 32768),
@@ -85,6 +112,11 @@ SHAPES = {
     "qwen3-1.7b": Shape("qwen3", 28, 2048, 16, 8, 128, 6144, 151936, True, 1e6, 1e-6, 40960),
     "qwen3-4b": Shape("qwen3", 36, 2560, 32, 8, 128, 9728, 151936, True, 1e6, 1e-6, 40960),
     "qwen3-8b": Shape("qwen3", 36, 4096, 32, 8, 128, 12288, 151936, False, 1e6, 1e-6, 40960),
+    # Gemma 3's text models (the 4B one's language model, without its vision tower)
+    "gemma3-1b": Shape("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, True, max_positions=32768,
+                       window=512, **_GEMMA3),
+    "gemma3-4b": Shape("gemma3", 34, 2560, 8, 4, 256, 10240, 262208, True, max_positions=131072,
+                       window=1024, linear=8.0, **_GEMMA3),
 }
 
 

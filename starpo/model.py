@@ -1,10 +1,16 @@
-"""The decoder of the Llama, Qwen2 and Qwen3 families in Flax, with a functional KV cache and an
-optional value head.
+"""The decoder of the Llama, Qwen2, Qwen3 and Gemma 3 families in Flax, with a functional KV
+cache and an optional value head.
 
-One module covers SmolLM2, Llama 3.x, Qwen2.5 and Qwen3: RMSNorm, rotary embeddings (theta from
-the checkpoint, Llama-3 frequency scaling where configured), grouped-query attention, SwiGLU
-MLP, tied or untied output head, and the switches a family sets (`starpo/families.py`): q/k/v
-bias (Qwen2), an RMSNorm over each head's query and key before the rotary embedding (Qwen3).
+One module covers SmolLM2, Llama 3.x, Qwen2.5, Qwen3 and Gemma 3: RMSNorm, rotary embeddings
+(theta from the checkpoint, Llama-3 or linear frequency scaling where configured),
+grouped-query attention, a gated MLP, tied or untied output head, and the switches a family
+sets (`starpo/families.py`): q/k/v bias (Qwen2); an RMSNorm over each head's query and key
+before the rotary embedding (Qwen3, Gemma 3); and Gemma 3's own: norms that scale by (1 + w),
+norms after attention and after the MLP too, a tanh-GELU gate, embeddings times sqrt(width),
+a query scale of its own, and sliding-window layers (`local_layers`) that attend to the last
+`sliding_window` positions only, with a rotary base of their own. A sliding window is the same
+mask as a context window over turns (`window_mask`) with rotary positions in place of turns,
+so every attention kernel and cache path applies it as it applies a `TurnWindow`.
 
 One driver, `hidden_states`, runs every forward (training forward, cache append, decode step):
 it computes the chunk's geometry (rotary positions, masks, cache write slots, context window)
@@ -73,6 +79,8 @@ ATTENTION = ("auto", "cpu", "xla", "cudnn", "splash")
 # Mosaic); each interpreted off its platform (tests). "auto": "pallas_tpu" on a TPU, else
 # "xla". The kernels' modules are imported only where used: Pallas loads late.
 DECODE_ATTENTION = ("auto", "xla", "pallas", "pallas_tpu")
+# `ModelConfig.activation`: the MLP gate's (SwiGLU's SiLU; Gemma's tanh-approximate GELU)
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(nn.gelu, approximate=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +102,21 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's query and key before rotary (Qwen3)
     family: str = "llama"  # the checkpoints' family (starpo/families.py): names them on export
+    # Gemma 3's switches: norms scale by (1 + w); norms after attention and after the MLP too;
+    # the MLP's gate activation (silu | gelu_tanh); embeddings times sqrt(hidden_size); scores
+    # scaled by query_scale ** -0.5 (0: head_dim ** -0.5)
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    query_scale: float = 0.0
+    # sliding-window layers: each token of layer i in `local_layers` attends to the keys of the
+    # last `sliding_window` positions (itself included), rotated with base `local_rope_theta`
+    # and no scaling; the other layers see everything, rotated with `rope_theta` (and scaling)
+    sliding_window: int = 0
+    local_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 10000.0
+    rope_linear: float = 1.0  # linear rope scaling of the global layers: positions / factor
     max_position_embeddings: int = 8192
     value_head: bool = False
     dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay float32
@@ -127,6 +150,12 @@ class ModelConfig:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r}; known: "
                              f"{', '.join(DECODE_ATTENTION)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}; known: {', '.join(ACTIVATIONS)}")
+        if bool(self.sliding_window) != bool(self.local_layers) or not all(
+                0 <= i < self.num_layers for i in self.local_layers):
+            raise ValueError(f"sliding_window={self.sliding_window} with local layers "
+                             f"{self.local_layers} of {self.num_layers}")
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}; known: {', '.join(FAMILIES)}")
         if self.lora_rank < 0 or (self.lora_rank and not self.lora_targets):
@@ -140,7 +169,7 @@ class ModelConfig:
         d, f, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + (4 if self.sandwich_norms else 2) * d
         if self.qkv_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:
@@ -210,14 +239,33 @@ class TurnWindow:
     prefix (turn id < 0, PREFIX_TURN) and to tokens of turns q-size+1 .. q (causally, as ever).
     size=1 is the current turn alone. turns [B,T] int32: the turn of each token of the chunk
     being run (a chunk is one turn in the sampler; a whole dialogue in the training forward).
-    With a cache, the cache's `turn` ids give the slots' turns."""
+    With a cache, the cache's `turn` ids give the slots' turns.
 
-    turns: jax.Array
+    A sliding-window layer's window rides along (the cacheless forward's kernels take one
+    window): with `sliding` > 0 and `local` true, a key must also lie within the last
+    `sliding` rotary `positions` [B,T] of the query; turns may then be None (no window over
+    turns). `local` is a layer's flag: a Python bool, or traced under the scan over layers."""
+
+    turns: jax.Array | None
     size: int = struct.field(pytree_node=False)
     # the turns are disjoint segments with no prefix among them (rows packed into shared
     # sequences, `update.pack_rows`): with size 1 a token sees its own segment alone, which a
     # TPU's splash attention takes as segment ids
     segments: bool = struct.field(pytree_node=False, default=False)
+    positions: jax.Array | None = None
+    sliding: int = struct.field(pytree_node=False, default=0)
+    local: Any = None
+
+    def visible(self, queries: slice, keys: slice) -> jax.Array:
+        """bool [B,Tq,Tk]: whether each of tokens `keys` is inside the window of each of tokens
+        `queries` (slices of the chunk)."""
+        inside = True
+        if self.turns is not None:
+            inside = window_mask(self.turns[:, queries], self.turns[:, keys], self.size)
+        if self.sliding:
+            near = window_mask(self.positions[:, queries], self.positions[:, keys], self.sliding)
+            inside = inside & (near | jnp.logical_not(self.local))
+        return inside
 
 
 def window_mask(query_turns, key_turns, size: int):
@@ -227,10 +275,13 @@ def window_mask(query_turns, key_turns, size: int):
 
 
 # ----------------------------------------------------------------------------- rotary embedding
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [E/2], with Llama-3 scaling applied when the config has it."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [E/2], with Llama-3 or linear scaling applied when the config has
+    it; local=True: a sliding-window layer's (its own base, unscaled)."""
     e = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
+    if local:
+        return 1.0 / (cfg.local_rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e)) / cfg.rope_linear
     if cfg.rope_scaling is not None:
         factor, low_ff, high_ff, old_ctx = cfg.rope_scaling
         wavelen = 2 * math.pi / inv
@@ -262,14 +313,20 @@ class RMSNorm(nn.Module):
     eps: float
     param_dtype: Any = jnp.float32
     axis: str = "embed"  # the logical axis of the normalised (last) dimension
+    plus_one: bool = False  # scale by (1 + w), w starting at zero (Gemma's)
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", _partitioned(nn.initializers.ones, (self.axis,)),
-                           (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", _partitioned(init, (self.axis,)), (x.shape[-1],),
+                           self.param_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+        return (normed * (scale.astype(jnp.float32) + float(self.plus_one))).astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, name: str, axis: str = "embed") -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, axis=axis, plus_one=cfg.norm_plus_one, name=name)
 
 
 # ----------------------------------------------------------------------------- mixed precision
@@ -470,23 +527,23 @@ def _attention_blocks(T: int, block: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, min(a + block, T)) for a in range(0, T, block))
 
 
-def _causal_scores(q, k, valid, start, stop, G, turns=None, size=0):
+def _causal_scores(q, k, valid, start, stop, G, window=None):
     """Masked scores of query tokens [start, stop) against keys [0, stop):
-    [B,K,(stop-start)*G,stop]. turns [B,T] (a `TurnWindow` of `size` turns) also masks keys
-    outside each query's window."""
+    [B,K,(stop-start)*G,stop]. window: a `TurnWindow` that also masks keys outside each
+    query's window, or None."""
     s = jax.lax.dot_general(q[:, :, start * G:stop * G], k[:, :, :stop],
                             (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
     t = jnp.arange(start, stop, dtype=jnp.int32)
     keys = jnp.arange(stop, dtype=jnp.int32)
     causal = jnp.repeat(t[:, None] >= keys[None, :], G, axis=0)  # [(stop-start)*G, stop]
     mask = causal[None] & valid[:, None, :stop]  # [B, rows, stop]
-    if turns is not None:
-        inside = window_mask(turns[:, start:stop], turns[:, :stop], size)  # [B,stop-start,stop]
+    if window is not None:
+        inside = window.visible(slice(start, stop), slice(0, stop))  # [B,stop-start,stop]
         mask = mask & jnp.repeat(inside, G, axis=1)
     return jnp.where(mask[:, None], s, _MASK_VALUE)
 
 
-def causal_attention(q, k, v, valid, G: int, block: int, turns=None, size: int = 0):
+def causal_attention(q, k, v, valid, G: int, block: int, window=None):
     """Softmax attention of each token over the valid tokens at or before it.
 
     q [B,K,T*G,E] (query head g of kv head k at row t*G + g, already scaled), k and v
@@ -498,21 +555,21 @@ def causal_attention(q, k, v, valid, G: int, block: int, turns=None, size: int =
     with every product keeping (batch, kv head) leading and contracting in place: autodiff of
     the einsum version made XLA:CPU transpose the [B,K,G,T,T] scores and the query layouts.
     A padding query (no visible key) gets a uniform row over its block's keys; nothing reads it.
-    turns [B,T] int32 and size: a `TurnWindow` (keys outside a query's window are masked too).
+    window: a `TurnWindow` (keys outside a query's window are masked too) or None.
     """
-    return _block_attention(q, k, v, valid, turns, G, block, size)
+    return _block_attention(q, k, v, valid, window, G, block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _block_attention(q, k, v, valid, turns, G, block, size):
-    return _causal_attention_fwd(q, k, v, valid, turns, G, block, size)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _block_attention(q, k, v, valid, window, G, block):
+    return _causal_attention_fwd(q, k, v, valid, window, G, block)[0]
 
 
-def _causal_attention_fwd(q, k, v, valid, turns, G, block, size):
+def _causal_attention_fwd(q, k, v, valid, window, G, block):
     T = k.shape[2]
     outs, probs = [], []
     for start, stop in _attention_blocks(T, block):
-        p = jax.nn.softmax(_causal_scores(q, k, valid, start, stop, G, turns, size), axis=-1)
+        p = jax.nn.softmax(_causal_scores(q, k, valid, start, stop, G, window), axis=-1)
         p = p.astype(v.dtype)
         outs.append(jax.lax.dot_general(p, v[:, :, :stop], (((3,), (2,)), ((0, 1), (0, 1))),
                                         preferred_element_type=jnp.float32))
@@ -521,7 +578,7 @@ def _causal_attention_fwd(q, k, v, valid, turns, G, block, size):
     return out, (q, k, v, out, tuple(probs))
 
 
-def _causal_attention_bwd(G, block, size, res, g):
+def _causal_attention_bwd(G, block, res, g):
     q, k, v, out, probs = res
     T = k.shape[2]
     dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
@@ -581,7 +638,8 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, chunk_mask, cache_valid, kv, window=None, write=None):
+    def __call__(self, x, positions, chunk_mask, cache_valid, kv, window=None, write=None,
+                 local=None, is_local=None):
         """Attention of a chunk over the cache (read only) and over itself.
 
         x [B,T,D]; positions [B,T]; chunk_mask [B,T,T] (causal, valid keys, inside the context
@@ -595,6 +653,10 @@ class Attention(nn.Module):
         layer's own cache buffers are updated first -- in place, as nothing reads the old ones
         -- and the chunk attends over the cache alone, slots `visible` to each query. Returns
         (out, the updated (k, v) buffers).
+
+        local: a sliding-window model's masks for its local layers (`_layer_inputs`), and
+        is_local whether this layer is one (a traced bool under the scan over layers, a Python
+        bool in the loop over split layers); None for a model without sliding layers.
         """
         cfg = self.cfg
         H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -602,12 +664,21 @@ class Attention(nn.Module):
         k = _projection(x, (K, E), ("embed", "kv_heads", "head_dim"), "k", cfg, cfg.qkv_bias)
         v = _projection(x, (K, E), ("embed", "kv_heads", "head_dim"), "v", cfg, cfg.qkv_bias)
         if cfg.qk_norm:  # each head's query and key normalised over its E dims, then rotated
-            q = RMSNorm(cfg.rms_norm_eps, axis="head_dim", name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, axis="head_dim", name="k_norm")(k)
-        inv_freq = rope_inv_freq(cfg)
+            q = _norm(cfg, "q_norm", "head_dim")(q)
+            k = _norm(cfg, "k_norm", "head_dim")(k)
         B, T = x.shape[:2]
-        q = apply_rope(q, positions, inv_freq).reshape(B, T, K, H // K, E) / math.sqrt(E)
-        k = apply_rope(k, positions, inv_freq)
+
+        def rotate(x):
+            out = apply_rope(x, positions, rope_inv_freq(cfg))
+            if is_local is None:
+                return out
+            return jnp.where(is_local, apply_rope(x, positions, rope_inv_freq(cfg, True)), out)
+
+        q = rotate(q).reshape(B, T, K, H // K, E) / math.sqrt(cfg.query_scale or E)
+        k = rotate(k)
+        if is_local is not None:  # a local layer's masks in place of the global ones
+            window, chunk_mask, cache_valid, write = _local_masks(
+                local, is_local, window, chunk_mask, cache_valid, write)
         if kv is not None:  # what the cache will hold (e.g. bfloat16)
             k, v = k.astype(kv[0].dtype), v.astype(kv[1].dtype)
         else:  # the attention products run in the compute dtype too (float32 accumulation)
@@ -711,7 +782,8 @@ def _attend_causal(q, k, v, valid, kernel="cpu", window=None):
     if kernel == "splash":
         from starpo import tpu_attention
 
-        as_segments = window is not None and window.segments and window.size == 1
+        as_segments = (window is not None and window.segments and window.size == 1
+                       and not window.sliding)
         if tpu_attention.causal_fallback(q.shape[1], window is not None and not as_segments
                                          ) is None:
             return tpu_attention.causal(q, k, v, valid,
@@ -721,9 +793,8 @@ def _attend_causal(q, k, v, valid, kernel="cpu", window=None):
         return _attend_dot_product(q, k, v, valid, kernel, window)
     T, G = q.shape[1], q.shape[3]
     qh = _queries_by_kv_head(q, k.dtype)
-    turns, size = (None, 0) if window is None else (window.turns, window.size)
     out = causal_attention(qh, jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2), valid, G,
-                           attention_block(T), turns, size)  # [B,K,T*G,E]
+                           attention_block(T), window)  # [B,K,T*G,E]
     return _heads_out(out, T, G)
 
 
@@ -739,21 +810,21 @@ def _attend_dot_product(q, k, v, valid, kernel, window=None):
     B, T, K, G, E = q.shape
     qh = q.reshape(B, T, K * G, E).astype(k.dtype)
 
-    def attend(q, k, v, valid, turns, implementation):
+    def attend(q, k, v, valid, window, implementation):
         t = jnp.arange(T, dtype=jnp.int32)
         seen = valid[:, None, :]
-        if turns is not None:
-            seen = seen & window_mask(turns, turns, window.size)
+        if window is not None:
+            seen = seen & window.visible(slice(None), slice(None))
         mask = (seen | (t[:, None] == t[None, :]))[:, None]  # [B,1,T,S]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True,
                                             implementation=implementation)
 
-    turns = None if window is None else window.turns
     if kernel == "cudnn" and cudnn_refusal(str(k.dtype), E, gpu_capability(), T) is None:
-        return attend(qh, k, v, valid, turns, "cudnn")
-    # the mask too is made inside: only q, k, v, valid (and turns) are kept for the backward
+        return attend(qh, k, v, valid, window, "cudnn")
+    # the mask too is made inside: only q, k, v, valid (and the window) are kept for the
+    # backward
     return jax.checkpoint(functools.partial(attend, implementation="xla"))(qh, k, v, valid,
-                                                                           turns)
+                                                                           window)
 
 
 def _attend_cache_and_chunk(q, k, v, kv, chunk_mask, cache_valid):
@@ -815,21 +886,27 @@ class MLP(nn.Module):
         cfg = self.cfg
         gate = _projection(x, cfg.intermediate_size, ("embed", "mlp"), "gate", cfg)
         up = _projection(x, cfg.intermediate_size, ("embed", "mlp"), "up", cfg)
-        return _projection(nn.silu(gate) * up, cfg.hidden_size, ("mlp", "embed"), "down", cfg)
+        act = ACTIVATIONS[cfg.activation]
+        return _projection(act(gate) * up, cfg.hidden_size, ("mlp", "embed"), "down", cfg)
 
 
 class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, kv, shared):
-        positions, chunk_mask, cache_valid, window, *write = shared
-        h, kv = Attention(self.cfg, name="attn")(
-            RMSNorm(self.cfg.rms_norm_eps, name="attn_norm")(x), positions, chunk_mask,
-            cache_valid, kv, window, *write)
+    def __call__(self, x, kv, shared, is_local=None):
+        cfg = self.cfg
+        positions, chunk_mask, cache_valid, window, local, *write = shared
+        h, kv = Attention(cfg, name="attn")(
+            _norm(cfg, "attn_norm")(x), positions, chunk_mask, cache_valid, kv, window,
+            *(write or [None]), local=local, is_local=is_local)
+        if cfg.sandwich_norms:
+            h = _norm(cfg, "attn_post_norm")(h)
         x = x + h
-        x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_norm_eps, name="mlp_norm")(x))
-        return constrain(x, ACTIVATION_AXES), kv
+        h = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        if cfg.sandwich_norms:
+            h = _norm(cfg, "mlp_post_norm")(h)
+        return constrain(x + h, ACTIVATION_AXES), kv
 
 
 def row_positions(valid) -> jax.Array:
@@ -839,15 +916,26 @@ def row_positions(valid) -> jax.Array:
 
 
 def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
-                  window: TurnWindow | None = None, split: bool = False, positions=None):
+                  window: TurnWindow | None = None, split: bool = False, positions=None,
+                  sliding: int = 0):
     """The geometry of a chunk (valid [B,T] bool), as every layer gets it: (shared, kv, write_at).
 
-    shared = (positions, chunk_mask, cache_valid, window[, write]) goes to each `Block` alike
-    (see `Attention`): rotary positions [B,T] counting real tokens only, the causal chunk mask
-    [B,T,T] over valid keys, the cache slots seen. kv = the cache's (k, v) the layers read
-    (stacked, or per-layer tuples when `split`), None without a cache or when `fresh`.
-    write_at = (rows, slots) [B,T] where the chunk's tokens go in the cache (padding out of
-    range: dropped), None without one. positions: the rotary positions [B,T] given (no cache)."""
+    shared = (positions, chunk_mask, cache_valid, window, local[, write]) goes to each `Block`
+    alike (see `Attention`): rotary positions [B,T] counting real tokens only, the causal chunk
+    mask [B,T,T] over valid keys, the cache slots seen, and with `sliding` (a sliding window of
+    that many positions) the local layers' versions of those masks (`local`, else None).
+    kv = the cache's (k, v) the layers read (stacked, or per-layer tuples when `split`), None
+    without a cache or when `fresh`. write_at = (rows, slots) [B,T] where the chunk's tokens go
+    in the cache (padding out of range: dropped), None without one. positions: the rotary
+    positions [B,T] given (no cache)."""
+    shared, kv, write_at = _global_inputs(valid, cache, fresh, window, split, positions)
+    local = None
+    if sliding:
+        local = _sliding_inputs(shared, cache, fresh, split, write_at, sliding)
+    return (*shared[:4], local, *shared[4:]), kv, write_at
+
+
+def _global_inputs(valid, cache, fresh, window, split, positions):
     B, T = valid.shape
     t = jnp.arange(T, dtype=jnp.int32)
     chunk_mask = valid[:, None, :] & (t[None, :, None] >= t[None, None, :])  # [B,T,T]
@@ -884,6 +972,50 @@ def _layer_inputs(valid, cache: KVCache | None, fresh: bool = False,
         cache_valid = cache_valid[:, None, :] & window_mask(window.turns, _cache_turns(cache),
                                                             window.size)
     return (positions, chunk_mask, cache_valid, window), kv, (rows, slots)
+
+
+def _sliding_inputs(shared, cache, fresh, split, write_at, size):
+    """The local layers' masks: keys of the last `size` rotary positions, the query's own
+    included. A slot's position is the count of valid slots before it (slots are written in
+    order, and a valid slot is never overwritten)."""
+    positions, chunk_mask, cache_valid, window, *write = shared
+    local = dict(window=None, chunk_mask=None, cache_valid=None, visible=None)
+    if cache is None or fresh:  # the causal kernels' window: any over turns, and this one
+        local["window"] = (TurnWindow(None, 0) if window is None else window).replace(
+            positions=positions, sliding=size)
+        return local
+    slot_pos = jnp.cumsum(cache.valid, axis=1, dtype=jnp.int32) - 1  # [B,S] (valid slots)
+    if split:
+        rows, slots = write_at
+        written = slot_pos.at[rows, slots].set(positions, mode="drop")
+        local["visible"] = write[0][2] & window_mask(positions, written, size)
+        return local
+    local["chunk_mask"] = chunk_mask & window_mask(positions, positions, size)
+    seen = cache_valid[:, None, :] if cache_valid.ndim == 2 else cache_valid  # [B,T,S]
+    local["cache_valid"] = seen & window_mask(positions, slot_pos, size)
+    return local
+
+
+def _local_masks(local, is_local, window, chunk_mask, cache_valid, write):
+    """A layer's (window, chunk_mask, cache_valid, write): the local versions where is_local
+    (a Python bool: chosen here; traced: selected elementwise)."""
+    def pick(a, b):
+        if isinstance(is_local, bool):
+            return a if is_local else b
+        return jnp.where(is_local, a, b)
+
+    if local["window"] is not None:  # the sliding criterion applies where local
+        window = local["window"].replace(local=is_local)
+    if local["chunk_mask"] is not None:
+        chunk_mask = pick(local["chunk_mask"], chunk_mask)
+        if not isinstance(is_local, bool) or is_local:
+            cache_valid = pick(local["cache_valid"], jnp.broadcast_to(
+                cache_valid[:, None, :] if cache_valid.ndim == 2 else cache_valid,
+                local["cache_valid"].shape))
+    if local["visible"] is not None:
+        rows, slots, visible = write
+        write = (rows, slots, pick(local["visible"], visible))
+    return window, chunk_mask, cache_valid, write
 
 
 def _advance(cache: KVCache, valid, rows, slots, k, v, window=None) -> KVCache:
@@ -947,7 +1079,7 @@ class Transformer(nn.Module):
             in_axes=(0, nn.broadcast), length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.lm_head = _dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", cfg)
         if cfg.value_head:
@@ -964,6 +1096,8 @@ class Transformer(nn.Module):
         rows split over the batch without the compiler replicating everything."""
         table = constrain(self.embed.embedding, (None, None))
         x = jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        if self.cfg.embed_scale:  # Gemma's: the table's rows times sqrt(width)
+            x = x * jnp.float32(math.sqrt(self.cfg.hidden_size))
         if self._adapted("embed"):  # + (alpha / r) A[tokens] B
             a = jnp.take(constrain(self.embed_lora_a, (None, None)), tokens, axis=0)
             x = x + self._lora_scale() * jnp.dot(a, self.embed_lora_b,
@@ -1101,7 +1235,8 @@ def hidden_states(params, cfg: ModelConfig, tokens, valid, cache: KVCache | None
     if split:
         params = split_layers(params)
         cache = None if cache is None else split_cache(cache)
-    shared, kv, write_at = _layer_inputs(valid, cache, fresh, window, split, positions)
+    shared, kv, write_at = _layer_inputs(valid, cache, fresh, window, split, positions,
+                                         cfg.sliding_window)
     heads = {"params": _heads_only(params)}
     model = Transformer(cfg)
     x = model.apply(heads, tokens, method=Transformer.embed_tokens)
@@ -1130,18 +1265,22 @@ def _run_layers(cfg: ModelConfig, layers, x, kv, shared):
     `split_layers`) run as a Python loop, layer i reading the cache buffers (k[i], v[i]); the
     (k, v) returned are tuples of what each layer returns (its updated buffers, see
     `Attention`). Under `cfg.remat` each layer is rematerialised in the backward pass."""
-    def block(layer, x, kv, shared):
-        return Block(cfg).apply({"params": layer}, x, kv, shared)
+    def block(layer, x, kv, shared, is_local):
+        return Block(cfg).apply({"params": layer}, x, kv, shared, is_local)
 
     if cfg.remat:
         block = jax.checkpoint(block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat_policy])
+    local = [i in cfg.local_layers for i in range(cfg.num_layers)]
     if not is_split(layers):
         def step(x, layer_kv):
-            return block(layer_kv[0], x, layer_kv[1], shared)
-        return jax.lax.scan(step, x, (layers, kv))
+            layer, kv, is_local = layer_kv
+            return block(layer, x, kv, shared, is_local)
+        flags = jnp.asarray(local) if cfg.local_layers else None
+        return jax.lax.scan(step, x, (layers, kv, flags))
     ks, vs = [], []
     for i, layer in enumerate(layers):
-        x, (k, v) = block(layer, x, None if kv is None else (kv[0][i], kv[1][i]), shared)
+        x, (k, v) = block(layer, x, None if kv is None else (kv[0][i], kv[1][i]), shared,
+                          local[i] if cfg.local_layers else None)
         ks.append(k)
         vs.append(v)
     return x, (tuple(ks), tuple(vs))

@@ -76,8 +76,12 @@ TABLE = (
           "blk.{i}.attn_k_norm.weight", ("E",), False),
     Entry("layers/attn/o/kernel", "model.layers.{i}.self_attn.o_proj.weight",
           "blk.{i}.attn_output.weight", ("D", "Q"), True),
+    Entry("layers/attn_post_norm/scale", "model.layers.{i}.post_attention_layernorm.weight",
+          "blk.{i}.post_attention_norm.weight", ("D",), False),
     Entry("layers/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight",
           "blk.{i}.ffn_norm.weight", ("D",), False),
+    Entry("layers/mlp_post_norm/scale", "model.layers.{i}.post_feedforward_layernorm.weight",
+          "blk.{i}.post_ffw_norm.weight", ("D",), False),
     Entry("layers/mlp/gate/kernel", "model.layers.{i}.mlp.gate_proj.weight",
           "blk.{i}.ffn_gate.weight", ("F", "D"), True),
     Entry("layers/mlp/up/kernel", "model.layers.{i}.mlp.up_proj.weight",
@@ -85,6 +89,15 @@ TABLE = (
     Entry("layers/mlp/down/kernel", "model.layers.{i}.mlp.down_proj.weight",
           "blk.{i}.ffn_down.weight", ("D", "F"), True),
 )
+
+
+
+def table(cfg: ModelConfig) -> dict[str, Entry]:
+    """Parameter path -> Entry, with the names of `cfg`'s family where they differ."""
+    out = {e.path: e for e in TABLE}
+    for path, hf in families.family(cfg.family).hf_names:
+        out[path] = dataclasses.replace(out[path], hf=hf)
+    return out
 
 
 def file_shape(entry: Entry, cfg: ModelConfig) -> tuple[int, ...]:
@@ -130,14 +143,14 @@ def params_from_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray | None
     `get(name)` returns the named tensor as float32 in the file's own layout, or None if absent.
     The value head (not in any language-model checkpoint) starts at zero.
     """
-    table = {e.path: e for e in TABLE}
+    entries = table(cfg)
     abstract = _flatten(model_lib.abstract_params(cfg))
     flat = {}
     for path, spec in abstract.items():
         if path.startswith("value_head/"):
             flat[path] = np.zeros(spec.shape, np.float32)
             continue
-        entry = table[path]
+        entry = entries[path]
         stacked = path.startswith("layers/")
         shape = spec.shape[1:] if stacked else spec.shape
         names = ([(entry.gguf if gguf else entry.hf).format(i=i) for i in range(cfg.num_layers)]
@@ -159,12 +172,12 @@ def params_from_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray | None
 
 def tensors_from_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """The inverse of `params_from_tensors` with HF names (value head not included)."""
-    table = {e.path: e for e in TABLE}
+    entries = table(cfg)
     out = {}
     for path, x in _flatten(params).items():
         if path.startswith("value_head/"):
             continue
-        entry, x = table[path], np.asarray(x, np.float32)
+        entry, x = entries[path], np.asarray(x, np.float32)
         if path.startswith("layers/"):
             for i in range(cfg.num_layers):
                 out[entry.hf.format(i=i)] = from_ours(x[i], entry, cfg)
@@ -174,50 +187,92 @@ def tensors_from_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]
 
 
 # ----------------------------------------------------------------------------- HF directories
+# config.json's activation names -> ModelConfig.activation
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _rope_settings(hf: dict, source: str) -> dict:
+    """ModelConfig's rope fields from config.json: rope_theta / rope_scaling (transformers 4),
+    rope_parameters flat or per layer type (transformers 5), Gemma's rope_local_base_freq."""
+    rope = hf.get("rope_parameters") or {}
+    full, local = (rope.get("full_attention") or {}, rope.get("sliding_attention") or {}) \
+        if "full_attention" in rope or "sliding_attention" in rope else (rope, {})
+    if local.get("rope_type") not in (None, "default"):
+        raise LoadError(f"{source}: rope scaling of sliding-window layers is not supported")
+    scaling = hf.get("rope_scaling") or (full if full.get("rope_type") not in (None, "default")
+                                         else None)
+    out = dict(rope_theta=float(hf.get("rope_theta", full.get("rope_theta", 10000.0))),
+               local_rope_theta=float(hf.get("rope_local_base_freq",
+                                             local.get("rope_theta", 10000.0))))
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            out["rope_scaling"] = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                   float(scaling["high_freq_factor"]),
+                                   int(scaling["original_max_position_embeddings"]))
+        elif kind == "linear":
+            out["rope_linear"] = float(scaling["factor"])
+        else:
+            raise LoadError(f"{source}: rope scaling type {kind!r} is not supported "
+                            "(llama3, linear)")
+    return out
+
+
+def _sliding_settings(hf: dict, fam, source: str) -> dict:
+    """sliding_window and local_layers from config.json's layer_types (or the older
+    sliding_window_pattern: every n-th layer global); a LoadError where the family has none."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None and fam.sliding_layers:
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]
+    types = list(types or ())
+    if set(types) - {"full_attention", "sliding_attention"} or (types and len(types) != layers):
+        raise LoadError(f"{source}: layer_types {sorted(set(types))} of {len(types)} layers "
+                        "are not supported")
+    local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if (local or hf.get("use_sliding_window")) and not fam.sliding_layers:
+        raise LoadError(f"{source}: sliding-window attention is not supported for "
+                        f"{fam.hf_architecture}")
+    if not local:
+        return {}
+    return dict(sliding_window=int(hf["sliding_window"]), local_layers=local)
+
+
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict. A setting the model here does not
-    compute (an activation, an MLP bias, sliding windows, a rope scaling type) is a LoadError."""
+    compute (an activation, an MLP bias, soft-capping, sliding windows where the family has
+    none, a rope scaling type) is a LoadError."""
     arch = (hf.get("architectures") or ["?"])[0]
     fam = families.BY_HF_ARCHITECTURE.get(arch)
     if fam is None:
         raise LoadError(f"{source}: architecture {arch!r} is not supported "
                         f"(supported: {', '.join(families.BY_HF_ARCHITECTURE)})")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise LoadError(f"{source}: hidden_act={act!r} is not supported (silu only)")
-    if hf.get("mlp_bias"):
-        raise LoadError(f"{source}: mlp_bias=true is not supported")
-    layer_types = set(hf.get("layer_types") or ())
-    if hf.get("use_sliding_window") or layer_types - {"full_attention"}:
-        raise LoadError(f"{source}: sliding-window attention is not supported")
-    rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
-    rope_scaling = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise LoadError(f"{source}: rope scaling type {kind!r} is not supported (llama3 only)")
-        rope_scaling = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                        float(scaling["high_freq_factor"]),
-                        int(scaling["original_max_position_embeddings"]))
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if HF_ACTIVATIONS.get(act) != fam.fields().get("activation", "silu"):
+        raise LoadError(f"{source}: activation {act!r} is not supported for {arch}")
+    for unsupported in ("mlp_bias", "final_logit_softcapping", "attn_logit_softcapping",
+                        "use_bidirectional_attention"):
+        if hf.get(unsupported):
+            raise LoadError(f"{source}: {unsupported}={hf[unsupported]!r} is not supported")
     try:
         heads = int(hf["num_attention_heads"])
         fields = dict(
-            family=fam.name,
+            fam.fields(),
             vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
             num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
             intermediate_size=int(hf["intermediate_size"]),
-            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=fam.qkv_bias or bool(hf.get("attention_bias", False)),
-            qk_norm=fam.qk_norm,
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-        )
+            query_scale=float(hf.get("query_pre_attn_scalar") or 0.0),
+            **_rope_settings(hf, source), **_sliding_settings(hf, fam, source))
     except KeyError as e:
         raise LoadError(f"{source}: missing field {e.args[0]!r}") from None
+    fields["qkv_bias"] = fam.qkv_bias or bool(hf.get("attention_bias", False))
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -269,9 +324,16 @@ def load_hf_dir(directory: str, **overrides) -> tuple[ModelConfig, dict, Tokeniz
 def hf_config(cfg: ModelConfig, tok: Tokenizer) -> dict:
     """config.json for `cfg`, in its family's names."""
     fam = families.family(cfg.family)
+    mismatch = {k: getattr(cfg, k) for k, v in fam.fields().items()
+                if k != "qkv_bias" and getattr(cfg, k) != v}
+    if (fam.qkv_bias and not cfg.qkv_bias) or mismatch or (cfg.local_layers
+                                                           and not fam.sliding_layers):
+        raise LoadError(f"a {cfg.family} model with {mismatch or 'these switches'} has no "
+                        "Hugging Face architecture to export to")
+    act = {v: k for k, v in HF_ACTIVATIONS.items()}[cfg.activation]
     out = {
         "architectures": [fam.hf_architecture], "model_type": fam.model_type,
-        "hidden_act": "silu",
+        "hidden_activation" if cfg.activation != "silu" else "hidden_act": act,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -284,9 +346,16 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer) -> dict:
         factor, low, high, old = cfg.rope_scaling
         out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                                "high_freq_factor": high, "original_max_position_embeddings": old}
-    if (fam.qkv_bias and not cfg.qkv_bias) or cfg.qk_norm != fam.qk_norm:
-        raise LoadError(f"a {cfg.family} model with qkv_bias={cfg.qkv_bias}, "
-                        f"qk_norm={cfg.qk_norm} has no Hugging Face architecture to export to")
+    elif cfg.rope_linear != 1.0:
+        out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_linear}
+    if cfg.query_scale:  # an int where it is one (transformers types it so)
+        q = cfg.query_scale
+        out["query_pre_attn_scalar"] = int(q) if q == int(q) else q
+    if fam.sliding_layers:
+        out["layer_types"] = ["sliding_attention" if i in cfg.local_layers else "full_attention"
+                              for i in range(cfg.num_layers)]
+        out["sliding_window"] = cfg.sliding_window or None
+        out["rope_local_base_freq"] = cfg.local_rope_theta
     if not fam.qkv_bias:  # the families whose bias is a switch (attention_bias)
         out["attention_bias"] = cfg.qkv_bias
     return out
@@ -361,15 +430,25 @@ def gguf_metadata(reader) -> dict:
     return out
 
 
+# llama.cpp's fixed Gemma 3 settings (its GGUF files carry only the window): every sixth layer
+# global, local layers rotated with base 10000 unscaled, scores scaled by head_dim ** -0.5 (by
+# (width / heads) ** -0.5 for the 62-layer 27B model)
+GGUF_GEMMA3_PATTERN, GGUF_GEMMA3_LOCAL_THETA, GGUF_GEMMA3_27B_LAYERS = 6, 10000.0, 62
+
+
 def config_from_gguf(meta: dict, tensor_names: set[str], source: str, **overrides) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in families.BY_GGUF_ARCHITECTURE:
         raise LoadError(f"{source}: architecture {arch!r} is not supported "
                         f"(supported: {', '.join(families.BY_GGUF_ARCHITECTURE)})")
     fam = families.BY_GGUF_ARCHITECTURE[arch]
-    if "rope_freqs.weight" in tensor_names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
-        raise LoadError(f"{source}: rope scaling in GGUF files is not supported; "
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensor_names or scaling not in ("none", "linear"):
+        raise LoadError(f"{source}: rope scaling {scaling!r} in GGUF files is not supported; "
                         "load the Hugging Face checkpoint instead")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if meta.get(f"{arch}.{key}"):
+            raise LoadError(f"{source}: {arch}.{key} is not supported")
 
     def need(key):
         if f"{arch}.{key}" not in meta:
@@ -377,18 +456,27 @@ def config_from_gguf(meta: dict, tensor_names: set[str], source: str, **override
         return meta[f"{arch}.{key}"]
 
     heads, width = int(need("attention.head_count")), int(need("embedding_length"))
+    layers = int(need("block_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", width // heads))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     fields = dict(
-        family=fam.name, vocab_size=int(vocab), hidden_size=width, num_layers=int(need("block_count")),
+        fam.fields(), vocab_size=int(vocab), hidden_size=width, num_layers=layers,
         num_heads=heads, num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", width // heads)),
-        intermediate_size=int(need("feed_forward_length")),
+        head_dim=head_dim, intermediate_size=int(need("feed_forward_length")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names, qk_norm=fam.qk_norm,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 8192)),
     )
+    fields["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if scaling == "linear":
+        fields["rope_linear"] = float(need("rope.scaling.factor"))
+    if fam.sliding_layers:
+        fields.update(
+            sliding_window=int(need("attention.sliding_window")),
+            local_layers=tuple(i for i in range(layers) if (i + 1) % GGUF_GEMMA3_PATTERN),
+            local_rope_theta=GGUF_GEMMA3_LOCAL_THETA,
+            query_scale=float(width // heads if layers == GGUF_GEMMA3_27B_LAYERS else head_dim))
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -400,7 +488,8 @@ def load_gguf(path: str, **overrides):
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_gguf(meta, set(tensors), path, **overrides)
-    permute = families.BY_GGUF_ARCHITECTURE[meta["general.architecture"]].gguf_permutes_qk
+    fam = families.BY_GGUF_ARCHITECTURE[meta["general.architecture"]]
+    permute = fam.gguf_permutes_qk
 
     def get(name):
         t = tensors.get(name)
@@ -410,6 +499,8 @@ def load_gguf(path: str, **overrides):
             x = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
         except Exception as e:
             raise LoadError(f"{path}: cannot decode tensor {name} ({e})") from None
+        if fam.gguf_norms_plus_one and name.endswith("norm.weight"):
+            x = x - 1.0  # llama.cpp wrote 1 + w for a norm that scales by (1 + w)
         if permute and name.endswith(("attn_q.weight", "attn_q.bias")):
             x = _unpermute_rows(x, cfg.num_heads)
         elif permute and name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -518,11 +609,12 @@ def tiny_config(vocab_size: int, layers=2, hidden=64, heads=4, kv_heads=2, head_
 # `random:qwen3-0.6b` (596,049,920 parameters, seed=N optional), or by its numbers, e.g.
 # Qwen2.5-0.5B (494,032,768 parameters):
 #   random:layers=24,hidden=896,heads=14,kv_heads=2,head_dim=64,mlp=4864,vocab=151936,qkv_bias=1,tie=1
-# (the family from the switches: qk_norm=1 Qwen3, else qkv_bias=1 Qwen2, else Llama; `tiny:`
-# takes qkv_bias and qk_norm too).
+# (the family from the switches: qk_norm=1 Qwen3, else qkv_bias=1 Qwen2, else Llama; or named,
+# family=gemma3 with its switches, window=N sliding-window layers, every pattern-th one global;
+# `tiny:` takes these too).
 RANDOM_DEFAULTS = dict(TINY_DEFAULTS, qkv_bias=0, tie=1, theta=1000000, qk_norm=0)
 _FLAGS = ("qkv_bias", "tie", "qk_norm")
-_SWITCHES = ("qkv_bias", "qk_norm")  # off by default in a `tiny:` spec too
+_SWITCHES = dict(qkv_bias=0, qk_norm=0, family="", window=0, pattern=6)  # in `tiny:` too
 _STAND_IN_VOCAB = 384  # the stand-in tokenizer's ids (`Tokenizer.tiny`'s default)
 
 
@@ -533,9 +625,7 @@ def _family_of(qkv_bias: bool, qk_norm: bool) -> str:
 def _parse_tiny(spec: str, defaults: dict = TINY_DEFAULTS) -> dict:
     """The options of a `tiny:` (or, with RANDOM_DEFAULTS, `random:`) spec, checked. A
     `random:NAME` spec gives {"shape": NAME, "seed": N}."""
-    opts = dict(defaults)
-    if defaults is TINY_DEFAULTS:
-        opts.update({k: 0 for k in _SWITCHES})
+    opts = {**defaults, **{k: v for k, v in _SWITCHES.items() if k not in defaults}}
     kind, _, rest = spec.partition(":")
     items = list(filter(None, rest.split(",")))
     if kind == "random" and items and "=" not in items[0]:
@@ -556,6 +646,12 @@ def _parse_tiny(spec: str, defaults: dict = TINY_DEFAULTS) -> dict:
         if key not in opts or not eq:
             raise LoadError(f"{kind} model option {item!r} is not valid "
                             f"(options: {', '.join(f'{k}=N' for k in opts)})")
+        if key == "family":
+            if value not in families.FAMILIES:
+                raise LoadError(f"{kind} model option family={value!r}: known "
+                                f"{', '.join(families.FAMILIES)}")
+            opts[key] = value
+            continue
         try:
             opts[key] = int(value)
         except ValueError:
@@ -572,9 +668,15 @@ def _parse_tiny(spec: str, defaults: dict = TINY_DEFAULTS) -> dict:
 
 def _tiny_fields(opts: dict) -> dict:
     """tiny_config's keyword arguments of parsed options (no vocab, no seed)."""
-    o = {k: v for k, v in opts.items() if k not in ("vocab", "seed")}
-    switches = {k: bool(o.pop(k, 0)) for k in _SWITCHES}
-    return dict(o, **switches, family=_family_of(**switches))
+    o = {k: v for k, v in opts.items() if k not in ("vocab", "seed") and k not in _SWITCHES}
+    bias, norm = bool(opts["qkv_bias"]), bool(opts["qk_norm"])
+    fields = families.family(opts["family"] or _family_of(bias, norm)).fields()
+    fields["qkv_bias"] = fields["qkv_bias"] or bias
+    fields["qk_norm"] = fields["qk_norm"] or norm
+    if opts["window"]:
+        fields.update(sliding_window=opts["window"], local_layers=tuple(
+            i for i in range(opts["layers"]) if (i + 1) % opts["pattern"]))
+    return dict(o, **fields)
 
 
 def random_config(opts: dict, **overrides) -> ModelConfig:

@@ -148,18 +148,32 @@ def test_window_mask_in_the_backward_pass(model):
 GROUPS, GROUP_SIZE, MAX_TURN, N_TOKENS = 2, 2, 3, 8
 
 
+TINY = "tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64"
+
+
 @pytest.fixture(scope="module")
 def tiny():
     # Qwen3's per-head q/k norms on: the newest family's forward in sampler and update alike
-    m = weights.load_model("tiny:layers=1,hidden=32,heads=2,kv_heads=1,head_dim=16,mlp=64,"
-                           "qk_norm=1")
+    m = weights.load_model(TINY + ",qk_norm=1")
     assert m.cfg.family == "qwen3"
     return m, m.params
 
 
-@pytest.mark.parametrize("window", [0, 2, 1], ids=["full", "limited2", "single_turn"])
-def test_update_logprobs_equal_the_samplers(tiny, window):
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    # Gemma 3's switches, a sliding-window layer of 8 positions and a global one
+    m = weights.load_model(TINY.replace("layers=1", "layers=2") + ",family=gemma3,window=8,"
+                           "pattern=2")
+    assert m.cfg.local_layers == (0,)
+    return m, m.params
+
+
+@pytest.mark.parametrize("window", ["gemma3", 2, 1],
+                         ids=["full_and_sliding", "limited2", "single_turn"])
+def test_update_logprobs_equal_the_samplers(tiny, tiny_gemma, window):
     m, params = tiny
+    if window == "gemma3":  # no context window over turns: a global layer sees the whole
+        (m, params), window = tiny_gemma, 0  # dialogue, a sliding-window one its last 8 tokens
     spec = rollout.RolloutSpec(max_turn=MAX_TURN, max_new_tokens=N_TOKENS, max_context=1024,
                                context_window=window)
     r = rollout.make_rollout(envs.make("FrozenLake"), m.tokenizer, m.cfg, spec,

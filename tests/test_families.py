@@ -36,23 +36,47 @@ TINY = {
     "qwen3": dict(cls="Qwen3Config", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=48, rope_theta=1e6,
                   rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # six layers: five sliding-window ones (a window of 4 positions, so that the prompt and the
+    # decode steps run past it) and a global one, with linear rope scaling and a query scale
+    # that is not the head dim's
+    "gemma3": dict(cls="Gemma3TextConfig", hidden_size=32, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=48, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   sliding_window=4, query_pre_attn_scalar=12,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0}}),
 }
+# a GGUF holds what llama.cpp's converter writes: Gemma 3's query scale is the head dim's
+GGUF_CHANGES = {"llama": dict(rope_scaling=None), "gemma3": dict(query_pre_attn_scalar=16)}
+# Gemma's HF names of its norms -> the names `write_gguf` turns into llama.cpp's
+GEMMA_GGUF_NAMES = {"pre_feedforward_layernorm": "post_attention_layernorm",
+                    "post_attention_layernorm": "post_attention_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
+# random models' greedy replies often repeat one token: a seed whose reply varies
+SEEDS = {"gemma3": 2}
 PROMPT = "<|im_start|>user\nTurn 1: State: _P_G<|im_end|>\n<|im_start|>assistant\n"
 
 
 def hf_model(name, vocab, seed=0, **changes):
     """transformers' model of family `name` at random init, its weights spread (so logits
-    differ by more than rounding) with norms near one."""
+    differ by more than rounding) with norms scaling by about one."""
     spec = dict(TINY[name], **changes)
     config = getattr(transformers, spec.pop("cls"))(vocab_size=vocab, max_position_embeddings=256,
                                                     **spec)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    switches = families.family(name).fields()
+    one = 0.0 if switches.get("norm_plus_one") else 1.0  # (1 + w) norms
+    # embeddings scaled up by sqrt(width) start that much smaller (else the residual stream is
+    # the token's own embedding, and a tied head repeats it)
+    embed = config.hidden_size ** -0.5 if switches.get("embed_scale") else 1.0
     with torch.no_grad():
         for pname, p in model.named_parameters():
             noise = torch.randn_like(p)
-            p.copy_(1 + 0.2 * noise if "norm" in pname else
-                    noise if "embed" in pname else 0.3 * noise)
+            p.copy_(one + 0.2 * noise if "norm" in pname else
+                    embed * noise if "embed" in pname else 0.3 * noise)
     return model
 
 
@@ -60,7 +84,7 @@ def hf_model(name, vocab, seed=0, **changes):
 def pair(request, tiny_tokenizer, tmp_path_factory):
     """(transformers' model, ours loaded from its save_pretrained directory, the directory)."""
     name = request.param
-    ref = hf_model(name, tiny_tokenizer.vocab_size)
+    ref = hf_model(name, tiny_tokenizer.vocab_size, seed=SEEDS.get(name, 0))
     folder = str(tmp_path_factory.mktemp(name))
     ref.save_pretrained(folder)
     tiny_tokenizer.save(folder)
@@ -88,8 +112,10 @@ def test_forward_over_a_padded_batch(pair, tiny_tokenizer):
     ref, ours, _ = pair
     ids, mask = padded_batch(tiny_tokenizer)
     want = ref_logits(ref, ids, mask)
-    got, _ = M.forward(ours.params, ours.cfg, jnp.asarray(ids), jnp.asarray(mask))
-    np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=2e-4, rtol=2e-4)
+    for kernel in ("cpu", "xla"):  # the CPU's blockwise attention and XLA's
+        got, _ = M.forward(ours.params, ours.cfg.replace(attention=kernel), jnp.asarray(ids),
+                           jnp.asarray(mask))
+        np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=2e-4, rtol=2e-4)
     assert np.abs(want[mask]).max() > 1.0  # logits far from zero: the comparison has teeth
 
 
@@ -132,19 +158,33 @@ def test_greedy_generation_token_for_token(pair, tiny_tokenizer):
 def test_gguf_of_the_same_model_gives_its_logits(pair, tiny_tokenizer, tmp_path):
     ref, ours, _ = pair
     fam = families.family(ours.cfg.family)
-    if ours.cfg.rope_scaling is not None:  # a GGUF's Llama-3 scaling is refused (test_weights)
-        ref = hf_model(fam.name, tiny_tokenizer.vocab_size, rope_scaling=None)
-    tensors = {k: v.numpy() for k, v in ref.state_dict().items()
-               if not (ref.config.tie_word_embeddings and k == "lm_head.weight")}
-    c = dict(layers=ours.cfg.num_layers, vocab=ours.cfg.vocab_size, hidden=ours.cfg.hidden_size,
-             mlp=ours.cfg.intermediate_size, heads=ours.cfg.num_heads,
-             kv_heads=ours.cfg.num_kv_heads, head_dim=ours.cfg.head_dim,
-             theta=ours.cfg.rope_theta, eps=ours.cfg.rms_norm_eps)
+    changes = GGUF_CHANGES.get(fam.name, {})
+    if changes:  # what the GGUF cannot hold (Llama-3 scaling is refused: test_weights)
+        ref = hf_model(fam.name, tiny_tokenizer.vocab_size, SEEDS.get(fam.name, 0), **changes)
+    tensors = {}
+    for k, v in ref.state_dict().items():
+        if ref.config.tie_word_embeddings and k == "lm_head.weight":
+            continue
+        if fam.gguf_norms_plus_one and k.endswith("norm.weight"):
+            v = v + 1  # as llama.cpp's converter writes a (1 + w) norm
+        for hf, name in GEMMA_GGUF_NAMES.items() if fam.name == "gemma3" else ():
+            if hf in k:
+                k = k.replace(hf, name)
+                break
+        tensors[k] = v.numpy()
+    cfg = ours.cfg
+    c = dict(layers=cfg.num_layers, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
+             mlp=cfg.intermediate_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+             head_dim=cfg.head_dim, theta=cfg.rope_theta, eps=cfg.rms_norm_eps,
+             window=cfg.sliding_window, linear=cfg.rope_linear if cfg.rope_linear != 1 else 0)
     write_gguf(tmp_path / "m.gguf", fam.gguf_architecture, c, tensors, tiny_tokenizer)
     m = weights.load_model(str(tmp_path / "m.gguf"))
-    assert m.cfg.rms_norm_eps == pytest.approx(ours.cfg.rms_norm_eps)  # stored as float32
-    assert m.cfg == ours.cfg.replace(max_position_embeddings=256, rope_scaling=None,
-                                     rms_norm_eps=m.cfg.rms_norm_eps)
+    assert m.cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)  # stored as float32
+    want = cfg.replace(max_position_embeddings=256, rope_scaling=None,
+                       rms_norm_eps=m.cfg.rms_norm_eps)
+    if fam.name == "gemma3":
+        want = want.replace(query_scale=float(cfg.head_dim))
+    assert m.cfg == want
     ids, mask = padded_batch(tiny_tokenizer)
     got, _ = M.forward(m.params, m.cfg, jnp.asarray(ids), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(got)[mask], ref_logits(ref, ids, mask)[mask],
@@ -167,8 +207,9 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tiny_tokenizer,
 @pytest.mark.parametrize("name", list(families.SHAPES))
 def test_published_shapes_have_transformers_parameter_counts(name):
     shape = families.SHAPES[name]
-    cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[shape.family]
-    extra = {"head_dim": shape.head_dim} if shape.family == "qwen3" else {}
+    cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+           "gemma3": "Gemma3TextConfig"}[shape.family]
+    extra = {"head_dim": shape.head_dim} if shape.family in ("qwen3", "gemma3") else {}
     config = getattr(transformers, cls)(
         vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,

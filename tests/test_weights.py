@@ -68,6 +68,11 @@ def write_gguf(path, arch, c, tensors, tok, quantise=()):
     w.add_head_count_kv(c["kv_heads"])
     w.add_key_length(c["head_dim"])
     w.add_value_length(c["head_dim"])
+    if c.get("window"):
+        w.add_sliding_window(c["window"])
+    if c.get("linear"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c["linear"])
     w.add_rope_freq_base(c["theta"])
     w.add_layer_norm_rms_eps(c["eps"])
     raw = tok.hf.backend_tokenizer
