@@ -55,7 +55,9 @@ def chat_pieces(tokenizer) -> dict:
     """Template pieces from rendering the chat template with sentinel contents.
 
     Returns strings: `start` (everything before the system text), `system_to_user`,
-    `user_to_assistant` (end of a user message + generation prompt), `assistant_to_user`.
+    `user_to_assistant` (end of a user message + generation prompt), `assistant_to_user`, and
+    `trims`: the roles ("system", "user") whose contents the template strips of the whitespace
+    around them (Gemma's strips a user's), so that the dialogue strips its own contents alike.
     """
     s = [f"\x01SENTINEL{i}\x01" for i in range(4)]
     msgs = [{"role": "system", "content": s[0]}, {"role": "user", "content": s[1]},
@@ -72,8 +74,11 @@ def chat_pieces(tokenizer) -> dict:
     if gen != user_asst:
         raise ValueError(f"chat template: generation prompt {gen!r} differs from the text "
                          f"before an assistant message {user_asst!r}")
+    padded = tokenizer.apply_chat_template(
+        [{**m, "content": f" {m['content']}\n"} for m in msgs[:2]], add_generation_prompt=True)
+    trims = tuple(m["role"] for m, x in zip(msgs[:2], s) if f" {x}\n" not in padded)
     return dict(start=start, system_to_user=sys_user, user_to_assistant=user_asst,
-                assistant_to_user=asst_user)
+                assistant_to_user=asst_user, trims=trims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +104,10 @@ def build_tables(tokenizer, etext: env_text.EnvText, max_turn: int, max_tokens: 
                  thinking: bool = True, system: str = SYSTEM_PROMPT) -> DialogueTables:
     """Tokenise every piece of the dialogue of one env variant."""
     chat = chat_pieces(tokenizer)
+    # a template that strips message contents: the system text and each user message's end
+    # (its last piece, the footer) stripped likewise, so the text is what the template renders
+    trim = str.rstrip if "user" in chat["trims"] else (lambda x: x)
+    system = system.strip() if "system" in chat["trims"] else system
     strings, ids = [""], {}  # piece 0 is empty (padding)
 
     def add(name, s):
@@ -116,7 +125,7 @@ def build_tables(tokenizer, etext: env_text.EnvText, max_turn: int, max_tokens: 
                                      for k in range(1, max_turn + 1)])
     ids["header2"] = np.array([0] + [add(f"h2_{k}", "\n" + turn_text(k, 0, max_tokens, thinking)[0])
                                      for k in range(1, max_turn + 1)])
-    ids["left"] = np.array([add(f"left_{n}", turn_text(1, n, max_tokens, thinking)[1])
+    ids["left"] = np.array([add(f"left_{n}", trim(turn_text(1, n, max_tokens, thinking)[1]))
                             for n in range(budget + 1)])
     ids["digit"] = np.array([add(f"d{d}", str(d)) for d in range(10)])
     add("minus", "-")

@@ -168,12 +168,13 @@ def tiny_gemma():
     return m, m.params
 
 
-@pytest.mark.parametrize("window", ["gemma3", 2, 1],
-                         ids=["full_and_sliding", "limited2", "single_turn"])
+@pytest.mark.parametrize("window", ["full", 2, 1],
+                         ids=["full_and_sliding", "limited2_and_sliding", "single_turn"])
 def test_update_logprobs_equal_the_samplers(tiny, tiny_gemma, window):
-    m, params = tiny
-    if window == "gemma3":  # no context window over turns: a global layer sees the whole
-        (m, params), window = tiny_gemma, 0  # dialogue, a sliding-window one its last 8 tokens
+    # Gemma 3's sliding-window layer (its last 8 tokens) under no context window (its global
+    # layer sees the whole dialogue) and composed with one of 2 turns; Qwen3's under 1 turn
+    m, params = tiny_gemma if window != 1 else tiny
+    window = 0 if window == "full" else window
     spec = rollout.RolloutSpec(max_turn=MAX_TURN, max_new_tokens=N_TOKENS, max_context=1024,
                                context_window=window)
     r = rollout.make_rollout(envs.make("FrozenLake"), m.tokenizer, m.cfg, spec,

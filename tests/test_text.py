@@ -148,15 +148,33 @@ THINKING_TEMPLATE = (
     "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}{%- endif -%}")
 
 
+# A template with Gemma's habits, written here: the system text joins the first user turn,
+# the assistant is "model", and every content is stripped of the whitespace around it.
+TRIMMING_TEMPLATE = (
+    "{{ '<bos>' }}{%- set first = messages[0].content + '\n\n' if messages[0].role == 'system'"
+    " else '' -%}{%- set rest = messages[1:] if first else messages -%}"
+    "{%- for m in rest -%}{{ '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role)"
+    " + '\n' + (first if loop.first else '') + (m.content | trim) + '<end_of_turn>\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
 class _Rendered:
-    def __init__(self, **options):
-        self.options = options
+    eos_ids = ()
+
+    def __init__(self, template=THINKING_TEMPLATE, **options):
+        self.template, self.options = template, options
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         import jinja2
 
-        return jinja2.Template(THINKING_TEMPLATE).render(
+        return jinja2.Template(self.template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.options)
+
+    def encode(self, text):
+        return []
+
+    def decode(self, ids):
+        return ""
 
 
 def test_a_thinking_switch_template_left_at_its_default_gives_the_plain_pieces():
@@ -165,8 +183,30 @@ def test_a_thinking_switch_template_left_at_its_default_gives_the_plain_pieces()
     assert dialogue.chat_pieces(_Rendered()) == dict(
         start="<|im_start|>system\n", system_to_user="<|im_end|>\n<|im_start|>user\n",
         user_to_assistant="<|im_end|>\n<|im_start|>assistant\n",
-        assistant_to_user="<|im_end|>\n<|im_start|>user\n")
+        assistant_to_user="<|im_end|>\n<|im_start|>user\n", trims=())
     # thinking switched off, the generation prompt would carry an empty think block that no
     # kept reply has: refused in one line rather than a dialogue the reference never shows
     with pytest.raises(ValueError, match="generation prompt .*think"):
         dialogue.chat_pieces(_Rendered(enable_thinking=False))
+
+
+def test_a_template_that_strips_contents_gets_stripped_contents():
+    # the first prompt, built from pieces, is the template's own rendering of the reference's
+    # messages: the user message's final newline stripped as it strips it (the system text,
+    # which it does not strip, kept)
+    env = envs.make("FrozenLake")
+    etext = env_text.make_text(env)
+    tok = _Rendered(TRIMMING_TEMPLATE)
+    tables = dialogue.build_tables(tok, etext, max_turn=5, max_tokens=100)
+    state = env.from_text(LEVELS["FrozenLake"][0])
+    pieces = [tables.env_offset + i for i in np.asarray(etext.render(state)) if i >= 0]
+    ids = tables.ids
+    got = tables.text([ids["start"], ids["prefix"], ids["header1"][1]] + pieces
+                      + [ids["left"][etext.max_actions_per_traj], ids["gen"]])
+    header, footer = dialogue.turn_text(1, etext.max_actions_per_traj, 100, True)
+    user = etext.prefix + header + env.to_text(state) + footer
+    want = tok.apply_chat_template([{"role": "system", "content": dialogue.SYSTEM_PROMPT},
+                                    {"role": "user", "content": user}]) + "<think>"
+    assert got == want
+    assert want.startswith("<bos><start_of_turn>user\nYou're a helpful assistant. \n\n")
+    assert "(tokens).<end_of_turn>" in want  # the footer's newline stripped

@@ -196,13 +196,15 @@ def test_unknown_architecture(tmp_path, tiny_tokenizer):
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(weights.LoadError, match="architecture 'GPTNeoXForCausalLM' is not "
-                       r"supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM\)"):
+                       r"supported \(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                       r"Gemma3ForCausalLM\)"):
         weights.load_model(d)
 
 
 @pytest.mark.parametrize("change,named", [
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling type 'yarn'"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(hidden_act="gelu"), "activation 'gelu' is not supported for Qwen3ForCausalLM"),
+    (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
     (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
     (dict(use_sliding_window=True), "sliding-window"),
     (dict(mlp_bias=True), "mlp_bias")])
