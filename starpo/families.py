@@ -12,6 +12,7 @@ memory plan read the switches, never the family's name.
     qwen3   Qwen3ForCausalLM    qwen3   q/k norms
     gemma3  Gemma3ForCausalLM   gemma3  q/k norms, (1 + w) norms, sandwich norms, tanh-GELU,
                                         scaled embeddings; sliding-window layers from config
+            (and the language model of Gemma3ForConditionalGeneration, the 4B-27B checkpoints)
 
 A q/k/v bias is also a switch of config.json (`attention_bias`) for Llama and Qwen3.
 
@@ -35,6 +36,13 @@ class Family:
     switches: tuple[tuple[str, object], ...] = ()  # the ModelConfig fields the family sets
     hf_names: tuple[tuple[str, str], ...] = ()  # parameter path -> HF name, where it differs
     sliding_layers: bool = False  # config.json may make layers sliding-window ones
+    # config.json's values where a checkpoint leaves them out (transformers' defaults for the
+    # family's config class: the multimodal Gemma 3 checkpoints' text_config omits most)
+    hf_defaults: tuple[tuple[str, object], ...] = ()
+    # the multimodal checkpoints whose language model is of this family: their architecture,
+    # and the prefixes (newest first) of the language model's tensors in place of "model."
+    hf_multimodal: str = ""
+    hf_text_prefixes: tuple[str, ...] = ()
 
     def fields(self) -> dict:
         """The ModelConfig switches of the family (the rest at ModelConfig's defaults)."""
@@ -56,9 +64,20 @@ FAMILIES = {f.name: f for f in (
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", "gemma3", gguf_norms_plus_one=True,
            switches=_GEMMA, sliding_layers=True,
            hf_names=(("layers/mlp_norm/scale",
-                      "model.layers.{i}.pre_feedforward_layernorm.weight"),)),
+                      "model.layers.{i}.pre_feedforward_layernorm.weight"),),
+           hf_defaults=(("vocab_size", 262208), ("hidden_size", 2304),
+                        ("intermediate_size", 9216), ("num_hidden_layers", 26),
+                        ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
+                        ("hidden_activation", "gelu_pytorch_tanh"),
+                        ("max_position_embeddings", 131072), ("rms_norm_eps", 1e-6),
+                        ("tie_word_embeddings", True), ("query_pre_attn_scalar", 256),
+                        ("sliding_window", 4096), ("rope_theta", 1e6),
+                        ("rope_local_base_freq", 10000.0)),
+           hf_multimodal="Gemma3ForConditionalGeneration",
+           hf_text_prefixes=("model.language_model.", "language_model.model.")),
 )}
-BY_HF_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES.values()}
+BY_HF_ARCHITECTURE = {a: f for f in FAMILIES.values()
+                      for a in (f.hf_architecture, f.hf_multimodal) if a}
 BY_GGUF_ARCHITECTURE = {f.gguf_architecture: f for f in FAMILIES.values()}
 
 

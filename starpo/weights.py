@@ -201,9 +201,10 @@ def _rope_settings(hf: dict, source: str) -> dict:
         raise LoadError(f"{source}: rope scaling of sliding-window layers is not supported")
     scaling = hf.get("rope_scaling") or (full if full.get("rope_type") not in (None, "default")
                                          else None)
-    out = dict(rope_theta=float(hf.get("rope_theta", full.get("rope_theta", 10000.0))),
-               local_rope_theta=float(hf.get("rope_local_base_freq",
-                                             local.get("rope_theta", 10000.0))))
+    # the nested values first: a family's flat defaults (hf_defaults) only fill gaps
+    out = dict(rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 10000.0))),
+               local_rope_theta=float(local.get("rope_theta",
+                                                hf.get("rope_local_base_freq", 10000.0))))
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":
@@ -249,6 +250,9 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
     if fam is None:
         raise LoadError(f"{source}: architecture {arch!r} is not supported "
                         f"(supported: {', '.join(families.BY_HF_ARCHITECTURE)})")
+    if arch == fam.hf_multimodal:  # its language model alone (text_config)
+        hf = hf.get("text_config") or {}
+    hf = {**dict(fam.hf_defaults), **hf}
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if HF_ACTIVATIONS.get(act) != fam.fields().get("activation", "silu"):
         raise LoadError(f"{source}: activation {act!r} is not supported for {arch}")
@@ -304,7 +308,15 @@ def load_hf_dir(directory: str, **overrides) -> tuple[ModelConfig, dict, Tokeniz
     cfg = config_from_hf(hf, cfg_path, **overrides)
     index = _safetensors_index(directory)
 
+    arch = (hf.get("architectures") or ["?"])[0]
+    prefixes = families.BY_HF_ARCHITECTURE[arch].hf_text_prefixes if (
+        arch == families.BY_HF_ARCHITECTURE[arch].hf_multimodal) else ()
+
     def get(name):
+        for prefix in prefixes:  # a multimodal checkpoint's language model
+            if name.startswith("model.") and prefix + name[len("model."):] in index:
+                name = prefix + name[len("model."):]
+                break
         if name not in index:
             return None
         try:

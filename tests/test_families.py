@@ -221,3 +221,31 @@ def test_published_shapes_have_transformers_parameter_counts(name):
     assert cfg == M.ModelConfig(**shape.fields())
     assert cfg.num_params == want
     assert sum(x.size for x in jax.tree.leaves(M.abstract_params(cfg))) == want
+
+
+def test_a_multimodal_gemma3_checkpoints_language_model_loads(tiny_tokenizer, tmp_path):
+    # Gemma 3 from 4B up is published as Gemma3ForConditionalGeneration: its language model
+    # loads (its tensors under the language model's prefix), the vision tower is left out
+    spec = dict(TINY["gemma3"])
+    text = getattr(transformers, spec.pop("cls"))(vocab_size=tiny_tokenizer.vocab_size,
+                                                  max_position_embeddings=256, **spec)
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4)
+    torch.manual_seed(SEEDS["gemma3"])
+    ref = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for pname, p in ref.named_parameters():
+            noise = torch.randn_like(p)
+            p.copy_(0.2 * noise if "norm" in pname else
+                    noise * 32 ** -0.5 if "embed" in pname else 0.3 * noise)
+    ref.save_pretrained(str(tmp_path))
+    tiny_tokenizer.save(str(tmp_path))
+    ours = weights.load_model(str(tmp_path))
+    assert ours.cfg.family == "gemma3" and ours.cfg.local_layers == (0, 1, 2, 3, 4)
+    ids, mask = padded_batch(tiny_tokenizer)
+    got, _ = M.forward(ours.params, ours.cfg, jnp.asarray(ids), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got)[mask], ref_logits(ref, ids, mask)[mask],
+                               atol=2e-4, rtol=2e-4)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from starpo import families
 from starpo import model as M
 from starpo import weights
 from tests import numpy_reference
@@ -319,3 +320,24 @@ def test_runs_side_by_side_each_converting_the_same_cache_all_succeed(tmp_path, 
     assert again.cfg == m.cfg
     with pytest.raises(weights.LoadError, match="already exists"):
         weights.save_hf_dir(str(out), m.cfg, m.params, m.tokenizer)
+
+
+def test_a_partial_gemma3_text_config_reads_as_transformers_fills_it():
+    # the multimodal checkpoints' text_config gives a few fields; the rest are the config
+    # class's defaults, which the family row holds (checked against transformers' own)
+    from transformers import Gemma3TextConfig
+
+    defaults = Gemma3TextConfig().to_dict()
+    rope = defaults["rope_parameters"]
+    defaults.update(rope_theta=rope["full_attention"]["rope_theta"],
+                    rope_local_base_freq=rope["sliding_attention"]["rope_theta"])
+    row = dict(families.family("gemma3").hf_defaults)
+    assert row == {k: defaults[k] for k in row}
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "num_hidden_layers": 34, "model_type": "gemma3_text",
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    cfg = weights.config_from_hf(hub)
+    assert cfg == M.ModelConfig(**families.shape("gemma3-4b").fields())
