@@ -11,7 +11,7 @@ import sys
 import jax
 import pytest
 
-from starpo import aot, model as model_lib, precision
+from starpo import aot, families, model as model_lib, precision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -140,6 +140,19 @@ def test_a_pod_topology_compiles_over_its_hosts():
     with jax.set_mesh(mesh):
         c = jax.jit(lambda w: (w * 2).sum()).lower(w).compile()
     assert dict(aot.chip_parts(c))["arguments"] == 1024 * 512 * 4 // 16
+
+
+@pytest.mark.tpu
+@needs_libtpu
+def test_a_gemma3_run_with_sliding_window_layers_compiles_for_a_tpu(compiled_tiny):
+    """Gemma 3's switches and a sliding-window layer beside a global one: every program of
+    the tiny run compiles for one v5e chip (its splash attention gives way to XLA's there)."""
+    config, cfg, _, _ = compiled_tiny
+    fields = families.family("gemma3").fields()
+    gemma = cfg.replace(**fields, sliding_window=16, local_layers=(0,), query_scale=64.0)
+    rows = aot.compile_run(config, gemma, aot.config_tokenizer(config), aot.topology("v5e:1x1"))
+    assert [r.phase for r in rows] == ["rollout", "validation FrozenLake", "update", "sft"]
+    assert all(r.fits and r.bytes > 0 for r in rows)
 
 
 def _one_v5e_chip():
