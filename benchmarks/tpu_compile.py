@@ -34,6 +34,10 @@ ROWS = (
     ("lake-3b-v5e-256", "configs/frozenlake.py", "qwen2.5-3b", "v5e:16x16", ()),
     # a v4-128 is 64 chips (128 TensorCores, two a chip)
     ("lake-3b-v4-128", "configs/frozenlake.py", "qwen2.5-3b", "v4:4x4x4", ()),
+    # the families TPU users bring now (Gemma 3: sliding-window layers, whose cache holds the
+    # whole context so far; Qwen3: 8 kv heads of 128, 9x Qwen2.5-0.5B's cache per token)
+    ("lake-gemma3-1b-v5e-8", "configs/frozenlake.py", "gemma3-1b", "v5e:2x4", ()),
+    ("lake-qwen3-0.6b-v5e-16", "configs/frozenlake.py", "qwen3-0.6b", "v5e:4x4", ()),
 )
 
 
