@@ -205,8 +205,8 @@ def _rope_settings(hf: dict, source: str) -> dict:
     out = dict(rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 10000.0))),
                local_rope_theta=float(local.get("rope_theta",
                                                 hf.get("rope_local_base_freq", 10000.0))))
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind not in (None, "default"):
         if kind == "llama3":
             out["rope_scaling"] = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
                                    float(scaling["high_freq_factor"]),
