@@ -40,7 +40,7 @@ from launch import common  # noqa: E402
 
 CONFIG = common.define_config("Config file, e.g. configs/frozenlake.py.")
 flags.DEFINE_list("models", "smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-3b",
-                  "Model shapes (starpo/families.py SHAPES: smollm2-135m, qwen2.5-*, qwen3-*).")
+                  "Model shapes (the names in starpo/families.py SHAPES).")
 flags.DEFINE_list("devices", "1,8", "Device counts (FSDP over all of them).")
 flags.DEFINE_enum("backend", "gpu", ["gpu", "tpu", "cpu"],
                   "The platform planned for (its dtypes and attention kernels).")

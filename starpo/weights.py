@@ -308,9 +308,9 @@ def load_hf_dir(directory: str, **overrides) -> tuple[ModelConfig, dict, Tokeniz
     cfg = config_from_hf(hf, cfg_path, **overrides)
     index = _safetensors_index(directory)
 
-    arch = (hf.get("architectures") or ["?"])[0]
-    prefixes = families.BY_HF_ARCHITECTURE[arch].hf_text_prefixes if (
-        arch == families.BY_HF_ARCHITECTURE[arch].hf_multimodal) else ()
+    arch = hf["architectures"][0]  # (config_from_hf checked it)
+    fam = families.BY_HF_ARCHITECTURE[arch]
+    prefixes = fam.hf_text_prefixes if arch == fam.hf_multimodal else ()
 
     def get(name):
         for prefix in prefixes:  # a multimodal checkpoint's language model

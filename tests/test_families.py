@@ -67,11 +67,16 @@ def hf_model(name, vocab, seed=0, **changes):
                                                     **spec)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return spread(model, name, config.hidden_size)
+
+
+def spread(model, name, width):
+    """`model` with random weights of family `name`'s scale, in place."""
     switches = families.family(name).fields()
     one = 0.0 if switches.get("norm_plus_one") else 1.0  # (1 + w) norms
     # embeddings scaled up by sqrt(width) start that much smaller (else the residual stream is
     # the token's own embedding, and a tied head repeats it)
-    embed = config.hidden_size ** -0.5 if switches.get("embed_scale") else 1.0
+    embed = width ** -0.5 if switches.get("embed_scale") else 1.0
     with torch.no_grad():
         for pname, p in model.named_parameters():
             noise = torch.randn_like(p)
@@ -235,12 +240,8 @@ def test_a_multimodal_gemma3_checkpoints_language_model_loads(tiny_tokenizer, tm
     config = transformers.Gemma3Config(text_config=text, vision_config=vision,
                                        mm_tokens_per_image=4)
     torch.manual_seed(SEEDS["gemma3"])
-    ref = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for pname, p in ref.named_parameters():
-            noise = torch.randn_like(p)
-            p.copy_(0.2 * noise if "norm" in pname else
-                    noise * 32 ** -0.5 if "embed" in pname else 0.3 * noise)
+    ref = spread(transformers.Gemma3ForConditionalGeneration(config).eval(), "gemma3",
+                 text.hidden_size)
     ref.save_pretrained(str(tmp_path))
     tiny_tokenizer.save(str(tmp_path))
     ours = weights.load_model(str(tmp_path))
