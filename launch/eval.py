@@ -97,7 +97,7 @@ def main(argv):
     tags = evaluate.parse_tags(FLAGS.tags if FLAGS.tags is not None else v.tags, config.env.name)
     groups, size = FLAGS.groups or v.env_groups, FLAGS.group_size or v.group_size
     temperature = v.temperature if FLAGS.temperature is None else FLAGS.temperature
-    batch_size = v.get("batch_size", 0)  # episodes played at once (0 = all), as in validation
+    batch_size = v.batch_size  # episodes played at once (0 = all), as in validation
     if not batch_size and groups * size > v.env_groups * v.group_size:
         batch_size = v.env_groups * v.group_size  # a larger set in chunks of the planned size
     if FLAGS.batch_size is not None:

@@ -15,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-GROUPINGS = ("state", "batch", "inductive")
-NORM_METHODS = ("identity", "mean", "mean_std", "asym_clip")
-GIGPO_MODES = ("mean_norm", "mean_std_norm")  # verl-agent's `algorithm.gigpo.mode`
+from starpo.schema import GIGPO_MODES, GROUPINGS, NORM_METHODS  # noqa: F401
 
 # Below this in-group std a group counts as constant (its normalised scores are 0), and the
 # epsilon added to std before dividing; both as in the reference, which runs in bf16.

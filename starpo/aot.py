@@ -236,9 +236,8 @@ def abstract_policy(config, cfg: model_lib.ModelConfig, tokenizer, mesh):
 
     m = config.model
     cfg = cfg.replace(dtype=run_config.model_dtype(config), remat=m.remat,
-                      remat_policy=m.get("remat_policy", "full"),
-                      attention=m.get("attention", "auto"),
-                      decode_attention=m.get("decode_attention", "auto"))
+                      remat_policy=m.remat_policy, attention=m.attention,
+                      decode_attention=m.decode_attention)
     params = model_lib.abstract_params(cfg)
     settings = run_config.lora_settings(config)
     if settings is not None:

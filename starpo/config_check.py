@@ -2,8 +2,9 @@
 
     config_check.check(config)   # raises ConfigError("rollout.top_p must be in (0, 1], got 1.5")
 
-Types are already enforced when overrides are parsed (configs are locked ml_collections); this
-checks ranges, choices and the values that must agree with each other (batch, mini-batch and
+Types are already enforced when overrides are parsed (configs are locked ml_collections); each
+knob's own range or choice is its rule in `schema`; this adds the env registry's names and the
+values that must agree with each other (batch, mini-batch and
 micro-batch sizes after the StarPO-S filter, the rollout's and validation's chunks of whole
 groups, env options, env mixes and tags, the model spec).
 What only the model can tell (a prompt longer than `rollout.max_context`, a mesh the devices
@@ -13,77 +14,12 @@ cannot form) fails when the run is built, still before its workdir is written.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import envs
-from starpo import demos, evaluate, gradients, lora, model, run_config, sharding, weights
+from starpo import demos, evaluate, lora, model, run_config, schema, sharding, weights
 from starpo import update as update_lib
 from starpo.precision import phase_dtypes
-from starpo.run_config import CONTEXT_WINDOW_MODES, ConfigError, check_rules, one_of, within
-
-_MESH_AXIS = (lambda v: v == -1 or v >= 1, ">= 1 or -1 (all the devices the others leave)")
-# key -> rule. The algorithm's knobs are checked by `run_config.AlgoConfig` (the same way).
-RULES = {
-    "seed": within(0, 2**31 - 1),
-    "model.dtype": one_of("auto", "float32", "bfloat16"),
-    "model.remat_policy": one_of(*model.REMAT_POLICIES),
-    "model.attention": one_of(*model.ATTENTION),
-    "model.decode_attention": one_of(*model.DECODE_ATTENTION),
-    "mesh.data": _MESH_AXIS, "mesh.fsdp": _MESH_AXIS, "mesh.tensor": _MESH_AXIS,
-    "mesh.distributed": one_of("auto", "on", "off"),
-    "mesh.num_processes": within(0, note="0 = JAX detects it"),
-    "mesh.process_id": within(-1, note="-1 = JAX detects it"),
-    "mesh.init_timeout_s": within(1),
-    "mesh.heartbeat_timeout_s": within(2),
-    "env.name": one_of(*envs.NAMES),
-    "rollout.env_groups": within(1),
-    "rollout.group_size": within(1),
-    "rollout.max_turn": within(1),
-    "rollout.max_actions_per_turn": within(0, note="0 = the env's budget"),
-    "rollout.max_actions_per_traj": within(0, note="0 = the env's budget"),
-    "rollout.response_length": within(1),
-    "rollout.max_context": within(16),
-    # training samples from the tempered policy and divides the logits by it
-    "rollout.temperature": within(0, lo_open=True, note="greedy 0 is for val.temperature"),
-    "rollout.top_p": within(0, 1, lo_open=True),
-    "rollout.top_k": within(0, note="0 = off"),
-    "rollout.decode_windows": within(1),
-    "rollout.context_window_mode": one_of(*CONTEXT_WINDOW_MODES),
-    "rollout.max_context_window": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (unset)"),
-    "rollout.batch_size": within(0, note="0 = all env_groups x group_size at once"),
-    "val.env_groups": within(1),
-    "val.group_size": within(1),
-    "val.temperature": within(0, note="0 = greedy"),
-    "val.test_freq": within(0, note="0 = never"),
-    "val.batch_size": within(0, note="0 = all env_groups x group_size at once"),
-    "trainer.total_steps": within(0),
-    "trainer.save_freq": within(0, note="0 = only at the end"),
-    "trainer.keep_checkpoints": within(1),
-    "trainer.log_samples": within(0),
-    "trainer.collapse_window": within(1),
-    "trainer.rollout_filter_empty_stop_steps": within(0, note="0 = never"),
-    "trainer.reward_std_stop_steps": within(0, note="0 = never"),
-    "trainer.low_success_stop_validations": within(0, note="0 = never"),
-    "trainer.gradient_analysis_every": within(0, note="0 = off"),
-    "trainer.gradient_analysis_num_buckets": within(1),
-    "trainer.gradient_analysis_bucket_mode": one_of(*gradients.BUCKET_MODES),
-    "trainer.collapse_mi_freq": within(0, note="0 = off"),
-    "trainer.collapse_mi_samples": within(1),
-    "trainer.collapse_mi_micro_batch": within(1),
-    "trainer.collapse_mi_warn": (lambda v: math.isfinite(v), "a finite number"),
-    "trainer.context_bucket": within(0, note="0 = always max_context"),
-    "sft.steps": within(0, note="0 = no SFT phase"),
-    "sft.env_groups": within(1),
-    "sft.lr": within(0, lo_open=True),
-    "sft.warmup_steps": within(0),
-    "sft.lr_decay_steps": within(0, note="0 = constant"),
-    "sft.min_lr_ratio": within(0, 1),
-    "sft.actions_per_turn": within(0, note="0 = the turn's action budget"),
-    "sft.test_freq": within(0, note="0 = never"),
-    "sft.save_freq": within(0, note="0 = only at the end"),
-    "sft.demo_steps": within(1),
-}
-
+from starpo.schema import ConfigError
 
 def _get(config, key):
     node = config
@@ -104,7 +40,8 @@ def _guard(key, fn, *args):
 
 def check(config) -> None:
     """Raise ConfigError (one line, naming the key) for the first value the run cannot use."""
-    check_rules(RULES, lambda key: _get(config, key))
+    schema.check(lambda key: _get(config, key))  # each knob's own rule
+    schema.check_value("env.name", schema.one_of(*envs.NAMES), config.env.name)
     r = config.rollout
     if r.response_length >= r.max_context:  # the first turn's prompt shares the context
         raise ConfigError(f"rollout.response_length {r.response_length} must be below "
@@ -112,7 +49,7 @@ def check(config) -> None:
                           f"dialogue before it share the context")
     _guard("mesh", sharding.check_cluster, config.mesh.coordinator_address,
            config.mesh.num_processes, config.mesh.process_id, config.mesh.init_timeout_s,
-           config.mesh.get("heartbeat_timeout_s", 60))
+           config.mesh.heartbeat_timeout_s)
     _check_model(config)
     _guard("env.options", lambda: envs.make(config.env.name, **config.env.options.to_dict()))
     _guard("env.mix", run_config.env_mix, config)
@@ -158,14 +95,13 @@ def distinct_val_envs(config) -> None:
 def _check_model(config) -> None:
     """model.path, its attention kernels, LoRA, init_from and critic_path."""
     _guard("model.path", weights.model_kind, config.model.path)
-    if config.model.get("attention", "auto") == "cudnn":  # the model's head dim: `experiment.build`
+    if config.model.attention == "cudnn":  # the model's head dim: `experiment.build`
         refused = model.cudnn_refusal(phase_dtypes(config)["update"], None, model.gpu_capability())
         if refused:
             raise ConfigError(f"model.attention=cudnn: cuDNN's flash attention {refused}; "
                               f"use model.attention=auto")
-    if config.model.get("lora") is not None:  # checked even while off (rank 0)
-        lc = config.model.lora
-        _guard("model.lora", lora.check, lc.rank, lc.alpha, lc.target_modules)
+    lc = config.model.lora  # checked even while off (rank 0)
+    _guard("model.lora", lora.check, lc.rank, lc.alpha, lc.target_modules)
     if config.model.init_from:
         _guard("model.init_from", run_config.init_source, config)
     if config.model.critic_path:

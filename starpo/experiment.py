@@ -54,12 +54,12 @@ def load_policy(config, init_from: bool = True) -> weights.LoadedModel:
     `model.init_from` set, with that run's actor weights."""
     m = config.model
     kwargs = dict(dtype=run_config.model_dtype(config), remat=m.remat,
-                  remat_policy=m.get("remat_policy", "full"), attention=m.get("attention", "auto"),
-                  decode_attention=m.get("decode_attention", "auto"))
+                  remat_policy=m.remat_policy, attention=m.attention,
+                  decode_attention=m.decode_attention)
     if m.path == "tiny" or m.path.startswith("tiny:"):
         kwargs["tiny_corpus"], kwargs["tiny_tokenizer"] = run_config.tiny_tokenizer_args(config)
     policy = with_adapters(config, weights.load_model(m.path, **kwargs))
-    if init_from and m.get("init_from", ""):
+    if init_from and m.init_from:
         workdir, step = run_config.init_source(config)
         params = load_actor(os.path.join(workdir, "checkpoints"), step, policy.params)
         policy = dataclasses.replace(policy, params=params, source=f"{workdir}@{step}")
@@ -72,8 +72,8 @@ def critic_params_from(config, actor: weights.LoadedModel):
     if config.model.critic_path:
         c = weights.load_model(config.model.critic_path, dtype=phase_dtypes(config)["update"],
                                remat=config.model.remat, value_head=True,
-                               remat_policy=config.model.get("remat_policy", "full"),
-                               attention=config.model.get("attention", "auto"))
+                               remat_policy=config.model.remat_policy,
+                               attention=config.model.attention)
         if c.cfg.vocab_size != actor.cfg.vocab_size:
             raise ValueError(f"critic {config.model.critic_path} has vocabulary "
                              f"{c.cfg.vocab_size}, the actor {actor.cfg.vocab_size}")

@@ -24,20 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FILTER_TYPES = ("std", "std_rev")  # RAGEN-2 calls these `largest` / `smallest`
-# RAGEN-2's filter_loss_scaling: advantages times 1, the kept share of groups, or its root
-FILTER_LOSS_SCALINGS = ("none", "linear", "sqrt")
-FILTER_STRATEGIES = ("top_k", "top_p", "top_k_abs", "min_p")
+from starpo.schema import (ADJUST_MODES, FILTER_GROUPS_METRICS, FILTER_LOSS_SCALINGS,  # noqa: F401
+                           FILTER_METRICS, FILTER_STRATEGIES, FILTER_TYPES, TOP_P_PROB_MODES)
+
 MASKED_STRATEGIES = ("top_p", "min_p")  # a kept count known only on device: rows masked
-# what ranks the groups (RAGEN-2's rollout_filter_metric): in-group reward std, mean, sum, or
-# the mean reply length (model tokens an episode)
-FILTER_METRICS = ("reward_variance", "reward", "reward_sum", "length")
-TOP_P_PROB_MODES = ("linear", "softmax")
-# RAGEN-2's batch_adjust_mode: how a filtered batch reaches a mini-batch multiple
-# (`update.adjusted_size`)
-ADJUST_MODES = ("copy", "delete")
-# what DAPO's dynamic sampling compares inside a group (`training.play_batch`)
-FILTER_GROUPS_METRICS = ("score", "success")
 # RAGEN-2's test for a zero-variance group (rollout_filter_include_zero=False drops those)
 ZERO_STD = 1e-10
 

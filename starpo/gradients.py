@@ -37,7 +37,7 @@ import optax
 from starpo import lora, losses
 from starpo import update as update_lib
 
-BUCKET_MODES = ("quantile", "fixed_rv")
+from starpo.schema import BUCKET_MODES  # noqa: F401
 FIXED_EDGES = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)  # RAGEN-2's fixed_rv intervals' lower ends
 
 

@@ -30,70 +30,15 @@ import tempfile
 import jax
 
 from starpo import checkpoint as ckpt_lib
-from starpo import lora, memory
+from starpo import lora, memory, run_config, schema
 from starpo import metrics as metrics_lib
 from starpo import model as model_lib
 from starpo import sharding, weights
 from starpo.cli import first_line
 
-# Fields a resumed run may change; any other difference means "this is a different run".
-# A checkpoint restores onto any mesh, so the mesh may change too; the length the update's
-# context is cut to changes only padding; decode windows, the remat policy and the attention
-# kernels change only how the same numbers are computed; the validation chunk size changes
-# only the memory and the validation's sampling stream (its levels stay; training is
-# untouched). rollout.batch_size changes the training samples' stream, so a run resumed with
-# another one is another run.
-RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.save_freq", "trainer.keep_checkpoints",
-                     "trainer.log_samples", "trainer.stop_on_collapse", "val.test_freq",
-                     "trainer.rollout_filter_empty_stop_steps", "algorithm.logit_chunk_size",
-                     "val.before_train", "trainer.context_bucket", "rollout.decode_windows",
-                     "model.remat_policy", "model.attention", "model.decode_attention",
-                     "mesh.data", "mesh.fsdp",
-                     "mesh.tensor", "mesh.distributed", "mesh.coordinator_address",
-                     "mesh.num_processes", "mesh.process_id", "mesh.init_timeout_s",
-                     "val.batch_size", "trainer.memory_check", "trainer.collapse_mi_freq",
-                     "trainer.collapse_mi_samples", "trainer.collapse_mi_micro_batch",
-                     "trainer.collapse_mi_warn", "mesh.heartbeat_timeout_s", "sft.test_freq",
-                     "trainer.collapse_mi_multi_turn", "trainer.offload_state",
-                     "sft.save_freq", "sft.demo_steps", "trainer.reward_std_stop_steps",
-                     "trainer.low_success_stop_validations", "trainer.gradient_analysis_every",
-                     "trainer.gradient_analysis_num_buckets",
-                     "trainer.gradient_analysis_bucket_mode")
-# Keys added after runs were saved: a run saved without one had the default.
-ADDED_KEYS = {"env.mix": "", "algorithm.lr_decay_steps": 0, "algorithm.min_lr_ratio": 0.0,
-              "rollout.batch_size": 0, "val.batch_size": 0, "trainer.memory_check": True,
-              "model.attention": "auto", "model.decode_attention": "xla",
-              "mesh.coordinator_address": "",
-              "mesh.num_processes": 0, "mesh.process_id": -1, "mesh.init_timeout_s": 300,
-              "sft.steps": 0, "sft.env_groups": 32, "sft.lr": 1e-5, "sft.warmup_steps": 0,
-              "sft.actions_per_turn": 0, "sft.test_freq": 10, "sft.save_freq": 10,
-              "sft.demo_steps": 16, "sft.lr_decay_steps": 0, "sft.min_lr_ratio": 0.0,
-              "model.init_from": "",
-              "rollout.context_window_mode": "full", "rollout.max_context_window": -1,
-              "trainer.collapse_mi_freq": 0, "trainer.collapse_mi_samples": 64,
-              "trainer.collapse_mi_micro_batch": 16, "trainer.collapse_mi_warn": 0.01,
-              "mesh.heartbeat_timeout_s": 60, "algorithm.filter_groups_metric": "score",
-              "algorithm.filter_loss_scaling": "none",
-              "trainer.rollout_filter_empty_stop_steps": 0,
-              "trainer.reward_std_stop_steps": 0, "trainer.low_success_stop_validations": 0,
-              "trainer.gradient_analysis_every": 0, "trainer.gradient_analysis_num_buckets": 6,
-              "trainer.gradient_analysis_bucket_mode": "quantile",
-              "algorithm.rollout_filter_count": 1, "algorithm.rollout_filter_min_p": 0.0,
-              "algorithm.rollout_filter_metric": "reward_variance",
-              "algorithm.soft_advantage_reweight": False, "algorithm.batch_adjust_mode": "copy",
-              "algorithm.grpo_advantage_length_weight": False,
-              "algorithm.zero_task_advantage": False,
-              "algorithm.shuffle_mini_batches": True, "algorithm.pack_rows": True,
-              "trainer.collapse_mi_multi_turn": False, "trainer.offload_state": False,
-              # GiGPO's episode statistics ran over episodes before; a resumed GiGPO run
-              # takes verl-agent's (over steps) from here on
-              "algorithm.gigpo_episode_over_steps": True,
-              # runs before LoRA trained every weight (rank 0)
-              "model.lora.rank": 0, "model.lora.alpha": 16.0,
-              "model.lora.target_modules": "all-linear",
-              # Sudoku runs before its 4x4 grid played the 9x9 one; added only where this config
-              # has the key (the other envs' options never had it, or always saved their own)
-              "env.options.size": 9}
+# Keys a resumed run may change (`schema`'s `resume=True`: only how or when the same numbers
+# are computed); any other difference means "this is a different run".
+RESUMABLE_CHANGES = schema.resumable()
 
 
 def enable_compilation_cache(directory: str | None = None) -> None:
@@ -124,9 +69,11 @@ def _flat(d, prefix=""):
 
 
 def check_resumable(saved_json: str, config) -> None:
-    """A workdir's saved config must equal this one except for RESUMABLE_CHANGES."""
+    """A workdir's saved config must equal this one except for RESUMABLE_CHANGES. A key added
+    since it was saved counts as the value the schema says older runs had
+    (`run_config.upgrade`)."""
     now = _flat(json.loads(config_json(config)))
-    saved = {**{k: v for k, v in ADDED_KEYS.items() if k in now}, **_flat(json.loads(saved_json))}
+    saved = _flat(run_config.upgrade(json.loads(saved_json)))
     for key in sorted(set(saved) | set(now)):
         if key in RESUMABLE_CHANGES:
             continue

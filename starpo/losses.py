@@ -10,9 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+from starpo.schema import KL_TYPES, LOSS_AGG_MODES  # noqa: F401
 
 # exp() of a log-ratio beyond this overflows in bf16 and is meaningless anyway.
 _LOG_RATIO_LIMIT = 20.0

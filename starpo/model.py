@@ -52,6 +52,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from starpo.families import FAMILIES
 from starpo.precision import backend as target_backend
+from starpo.schema import ATTENTION, DECODE_ATTENTION  # noqa: F401 (the choices of model.*)
+from starpo.schema import REMAT_POLICIES as _REMAT_NAMES
 from starpo.sharding import constrain, tree_shardings
 
 # A finite "minus infinity": a padding query with no visible key gets a uniform (finite)
@@ -60,9 +62,10 @@ _MASK_VALUE = -1e30
 # `ModelConfig.remat_policy` -> the jax.checkpoint policy of a rematerialised layer
 REMAT_POLICIES = {"full": None,
                   "save_dense": jax.checkpoint_policies.save_only_these_names("dense")}
+assert tuple(REMAT_POLICIES) == _REMAT_NAMES
 # the residual stream's logical axes: rows split over the mesh's batch axes, width whole
 ACTIVATION_AXES = ("batch", "length", "act_embed")
-# `ModelConfig.attention`: the kernels of the training forward (and a first prefill) and of
+# `ModelConfig.attention` (its choices `schema.ATTENTION`): the kernels of the training forward (and a first prefill) and of
 # every dense layer. "cpu": attention in causal query blocks with a written-out backward
 # (`causal_attention`) and dense layers as 2-D matmuls with a written-out backward (`_matmul`),
 # both tuned for XLA:CPU. "xla": `jax.nn.dot_product_attention`'s XLA implementation, its
@@ -73,12 +76,11 @@ ACTIVATION_AXES = ("batch", "length", "act_embed")
 # (`tpu_attention.causal_fallback`: a context window, under 128 tokens). "auto": "cpu" on
 # CPU; on an NVIDIA GPU "cudnn" where it takes the shapes and dtype, else "xla"; "splash" on a
 # TPU. All give the same numbers to float rounding (tests/test_model.py, test_tpu_attention.py).
-ATTENTION = ("auto", "cpu", "xla", "cudnn", "splash")
-# a decode step's attention: XLA's ops, or one fused kernel a layer: "pallas" the GPU's
+# `ModelConfig.decode_attention` (`schema.DECODE_ATTENTION`), a decode step's attention: XLA's
+# ops, or one fused kernel a layer: "pallas" the GPU's
 # (starpo/decode_attention.py, Triton), "pallas_tpu" the TPU's (`tpu_attention.decode`,
 # Mosaic); each interpreted off its platform (tests). "auto": "pallas_tpu" on a TPU, else
 # "xla". The kernels' modules are imported only where used: Pallas loads late.
-DECODE_ATTENTION = ("auto", "xla", "pallas", "pallas_tpu")
 # `ModelConfig.activation`: the MLP gate's (SwiGLU's SiLU; Gemma's tanh-approximate GELU)
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(nn.gelu, approximate=True)}
 

@@ -490,7 +490,7 @@ class _Loop:
         # row stops the run
         self.empty = self.empty + 1 if scalars.get("rollout/kept_groups", 1.0) == 0 else 0
         scalars["rollout/consecutive_empty_after_filter_steps"] = float(self.empty)
-        limit = t.empty_stop_steps
+        limit = t.rollout_filter_empty_stop_steps
         # RAGEN-2: the in-group reward std of the steps that trained, against its first steps'
         if not self.empty and "rollout/in_group_std" in scalars:
             if self.std_stop.update(scalars["rollout/in_group_std"]):
@@ -509,7 +509,7 @@ class _Loop:
                 f"token < trainer.collapse_mi_warn {t.collapse_mi_warn}, "
                 f"retrieval {scalars['collapse/retrieval_accuracy']:.2f} vs chance "
                 f"{scalars['collapse/retrieval_chance_level']:.2f})")
-        limit = t.empty_stop_steps
+        limit = t.rollout_filter_empty_stop_steps
         if 0 < limit <= self.empty:
             say(f"warning: step {n}: the rollout filter kept no group {self.empty} steps in a "
                 f"row (trainer.rollout_filter_empty_stop_steps={limit}): stopping")

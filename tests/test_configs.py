@@ -1,8 +1,10 @@
-"""The config files: their knobs agree with the library's, and every bad value of every key is a
-one-line `error:` before any work.
+"""The config files and the schema: every config has the schema's knobs, a config.json of every
+earlier version still reads and resumes, and every bad value of every key is a one-line `error:`
+before any work.
 
-`configs/*.py` state their knobs without importing the library; these tests hold them to
-`run_config.AlgoConfig`'s fields and the envs' options (names, types, the reference's defaults).
+`configs/*.py` take their knobs from `starpo/schema.py` (no JAX); these tests hold the schema to
+itself (types, rules, the generated docs) and the env options to the envs' own (names, types,
+defaults).
 The bad-value table names every key of every config file (a new key without a row fails) and
 each value goes through the parse and check `launch/train.py` runs (`common.parse_flags`,
 in-process: the same code, ~1 ms a case); a few cases then run the real command end to end.
@@ -12,17 +14,18 @@ import ast
 import dataclasses
 import glob
 import importlib
+import json
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 from absl import flags
 
 import envs
-from configs import frozenlake
 from launch import common
-from starpo import config_check, experiment, model, run_config
+from starpo import config_check, experiment, model, run_config, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every config file (configs/*.py but the shared `common` and the package file): a new env's
@@ -32,8 +35,6 @@ FILES = {f"configs/{name}.py": importlib.import_module(f"configs.{name}")
                             for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
          if name not in ("__init__", "common")}
 VARIANTS = (None, "cpu", "gpu", "tiny")
-# AlgoConfig fields the config keeps in `rollout`
-FROM_ROLLOUT = ("group_size", "temperature", "response_length", "context_window", "max_turn")
 
 
 def flat(d, prefix=""):
@@ -47,27 +48,103 @@ def all_configs():
     return [(path, v, module.get_config(v)) for path, module in FILES.items() for v in VARIANTS]
 
 
-def test_config_files_import_only_ml_collections():
+def _imports(path):
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        yield from ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module] if isinstance(node, ast.ImportFrom) else [])
+
+
+def test_config_files_import_only_ml_collections_and_the_schema():
+    """Config files load without JAX: ml_collections, each other and `starpo.schema`, which
+    itself imports the standard library alone."""
     for path in glob.glob(os.path.join(ROOT, "configs", "*.py")):
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) else [])
-            for name in names:
-                assert name.split(".")[0] in ("ml_collections", "configs"), (path, name)
+        for name in _imports(path):
+            assert name.split(".")[0] in ("ml_collections", "configs") or name in (
+                "starpo", "starpo.schema"), (path, name)
+    for name in _imports(os.path.join(ROOT, "starpo", "schema.py")):
+        assert name.split(".")[0] in sys.stdlib_module_names, name
 
 
-def test_algorithm_knobs_are_algoconfigs_fields_with_its_defaults():
-    fields = {f.name: f.default for f in dataclasses.fields(run_config.AlgoConfig)
-              if f.name not in FROM_ROLLOUT}
+def test_every_knob_default_has_its_type_and_passes_its_rule():
+    for key, f in schema.knobs():
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        rule = f.metadata["rule"]
+        assert rule is None or rule[0](default), key
+        assert f.metadata["doc"] or key in ("algorithm.adam_b1", "algorithm.adam_b2",
+                                            "trainer.keep_checkpoints",
+                                            "trainer.gradient_analysis_bucket_mode"), key
+        before = f.metadata["before"]
+        if before is not schema._ABSENT:
+            assert type(before) is type(default), key
+    for cls in (schema.Config, schema.Model, schema.Lora, schema.Mesh, schema.Env,
+                schema.Rollout, schema.Val, schema.Algorithm, schema.Sft, schema.Trainer):
+        for name, hint in typing.get_type_hints(cls).items():
+            f = cls.__dataclass_fields__[name]
+            if "section" in f.metadata:
+                continue
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            assert type(default) is hint, (cls.__name__, name)
+
+
+def test_every_config_has_the_schemas_keys_and_the_rollout_fields_its_defaults():
+    knobs = {key for key, _ in schema.knobs() if key != "env.options"}
     for path, variant, c in all_configs():
-        algo = c.algorithm.to_dict()
-        assert set(algo) == set(fields), (path, variant, set(algo) ^ set(fields))
-        for name, default in fields.items():
-            assert type(algo[name]) is type(default), (path, variant, name)
-            if variant is None and path != "configs/bandit.py":  # bandit's base is the paper's
-                assert algo[name] == default, (path, name)
-    paper = {k: v for k, v in frozenlake.get_config().algorithm.items()}
-    assert paper == fields
+        keys = {k for k in flat(c.to_dict()) if not k.startswith("env.options.")}
+        assert keys == knobs, (path, variant, keys ^ knobs)
+    # AlgoConfig's copies of rollout knobs default to them
+    r = schema.Rollout()
+    assert (run_config.AlgoConfig.group_size, run_config.AlgoConfig.temperature,
+            run_config.AlgoConfig.response_length) == (r.group_size, r.temperature,
+                                                       r.response_length)
+
+
+def test_the_knob_docs_are_generated_from_the_schema():
+    with open(os.path.join(ROOT, "docs", "knobs.md"), encoding="utf-8") as f:
+        assert f.read() == schema.markdown(), "run: python -m starpo.schema > docs/knobs.md"
+
+
+# One saved config.json (frozenlake's, its tiny variant where it had one) of each set of keys
+# the config files ever had since 2026-11-25, built from the history: `git archive REV configs
+# envs` at each commit that changed configs/, `get_config(variant)`, one per key set.
+with open(os.path.join(ROOT, "tests", "data", "saved_configs.json"), encoding="utf-8") as _f:
+    SAVED = json.load(_f)
+
+
+def test_configs_saved_by_every_earlier_version_read_check_and_resume():
+    from starpo import harness
+
+    assert len(SAVED) >= 30
+    for name, saved in SAVED.items():
+        text = json.dumps(saved)
+        config = run_config.config_from_json(text)
+        config_check.check(config)
+        run_config.read(config)
+        harness.check_resumable(text, config)  # the run resumes with the config it saved
+    first = min(SAVED.values(), key=lambda c: len(flat(c)))  # the fewest keys
+    assert not {"decode_attention", "lora"} & set(first["model"]) and "sft" not in first
+    oldest = run_config.config_from_json(json.dumps(first))
+    # what those runs did, before the keys existed
+    assert (oldest.model.decode_attention, oldest.sft.steps, oldest.model.lora.rank,
+            oldest.trainer.rollout_filter_empty_stop_steps, oldest.trainer.collapse_mi_multi_turn,
+            oldest.algorithm.shuffle_mini_batches) == ("xla", 0, 0, 0, False, True)
+    # a key with no stated `before` still needs to be in a saved config
+    broken = json.loads(json.dumps(SAVED[max(SAVED)]))
+    del broken["algorithm"]["gamma"]
+    with pytest.raises(ValueError, match="algorithm.gamma"):
+        harness.check_resumable(json.dumps(broken), run_config.config_from_json(json.dumps(
+            SAVED[max(SAVED)])))
+
+
+def test_an_added_env_option_is_filled_only_where_the_env_has_it():
+    saved = SAVED[max(SAVED)]
+
+    def options(name, given):
+        return run_config.upgrade({**saved, "env": {"name": name, "options": given}})[
+            "env"]["options"]
+
+    assert options("SimpleSudoku", {}) == {"size": 9}  # its 9x9 grid, before the 4x4 default
+    assert options("FrozenLake", {"size": 4}) == {"size": 4}  # a saved option stays
+    assert options("Bandit", {}) == {}  # no such option
 
 
 def test_env_options_are_the_envs_options_with_its_defaults():
@@ -80,11 +157,6 @@ def test_env_options_are_the_envs_options_with_its_defaults():
             assert type(options[name]) is type(default), (path, variant, name)
         if variant is None:
             assert options == fields, path
-    # the rollout's copy of AlgoConfig's two fields keeps its defaults too
-    r = frozenlake.get_config().rollout
-    assert (r.group_size, r.temperature, r.response_length) == (
-        run_config.AlgoConfig.group_size, run_config.AlgoConfig.temperature,
-        run_config.AlgoConfig.response_length)
 
 
 def test_every_shipped_config_passes_the_check():
