@@ -195,25 +195,33 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def bi_level_gae(rewards, values, mask, turn_end, gamma: float, lam: float,
-                 high_level_gamma: float):
+                 high_level_gamma: float, turns: str = "every"):
     """Two-level GAE: turn-level GAE across turns, then token-level GAE inside each turn.
 
-    rewards, values: f32[B,T]; mask: bool[B,T]; turn_end: int[B,M] (explicit, so a turn whose
-    reward is 0 is still a turn). Turn k's reward is the token reward at its last token and its
-    value the value there (as in the reference). High level, over turns that happened:
+    rewards, values: f32[B,T]; mask: bool[B,T]; turn_end: int[B,M]. A turn ends, under
+    `turns="every"`, at each reply's last token (so a turn whose reward is 0 is still a turn);
+    under "reward" (RAGEN's reading, `algorithm.bi_level_turns`) at each token whose reward is
+    not 0, so with a final reward alone it is plain GAE. Turn k's reward is the token reward at
+    its end and its value the value there (as in the reference). High level, over the ends:
       A_k = r_k + hg * V_{k+1} - V_k + hg * lam * A_{k+1},   G_k = A_k + V_k.
-    Low level, inside turn k: the last token's target is G_k (A = G_k - V), earlier tokens use
+    Low level, inside turn k: the end token's target is G_k (A = G_k - V), earlier tokens use
     ordinary GAE with `gamma` (and their own token rewards, e.g. a KL penalty).
     Returns (advantages, returns) f32[B,T], 0 off the mask.
     """
-    happened = turn_end >= 0
-    at = jnp.maximum(turn_end, 0)
-    turn_values = jnp.take_along_axis(values, at, axis=1)  # [B,M]
-    turn_rewards = jnp.where(happened, jnp.take_along_axis(rewards, at, axis=1), 0.0)
-    turn_adv = _reverse_gae(turn_rewards, turn_values, happened, high_level_gamma, lam)
     T = rewards.shape[1]
-    end = (turn_end[:, :, None] == jnp.arange(T)[None, None, :]).any(axis=1) & mask  # [B,T]
-    end_return = scatter_turns(turn_end, turn_adv + turn_values, T)
+    if turns == "reward":
+        end = rewards != 0  # the high level runs over these tokens alone
+        end_return = jnp.where(end, _reverse_gae(rewards, values, end, high_level_gamma, lam)
+                               + values, 0.0)
+        end = end & mask
+    else:
+        happened = turn_end >= 0
+        at = jnp.maximum(turn_end, 0)
+        turn_values = jnp.take_along_axis(values, at, axis=1)  # [B,M]
+        turn_rewards = jnp.where(happened, jnp.take_along_axis(rewards, at, axis=1), 0.0)
+        turn_adv = _reverse_gae(turn_rewards, turn_values, happened, high_level_gamma, lam)
+        end = (turn_end[:, :, None] == jnp.arange(T)[None, None, :]).any(axis=1) & mask  # [B,T]
+        end_return = scatter_turns(turn_end, turn_adv + turn_values, T)
     adv = _reverse_gae(rewards, values, mask, gamma, lam, end, end_return)
     return adv, jnp.where(mask, adv + values, 0.0)
 

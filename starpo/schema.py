@@ -70,6 +70,8 @@ TEMPERATURE = within(0, lo_open=True, note="greedy 0 is for val.temperature")
 # ----------------------------------------------------------------------------- choices
 # (the modules that implement them import them from here)
 ESTIMATORS = ("gae", "bi_level_gae", "grpo", "gigpo")
+# bi-level GAE's turns: every reply that happened, or (RAGEN's) each token with a non-zero reward
+BI_LEVEL_TURNS = ("every", "reward")
 GROUPINGS = ("state", "batch", "inductive")
 NORM_METHODS = ("identity", "mean", "mean_std", "asym_clip")
 GIGPO_MODES = ("mean_norm", "mean_std_norm")  # verl-agent's `algorithm.gigpo.mode`
@@ -253,6 +255,9 @@ class Algorithm:
     gamma: float = knob(1.0, RATE, "discount (per token under GAE, per turn under GiGPO)")
     lam: float = knob(1.0, RATE, "GAE's lambda")
     high_level_gamma: float = knob(0.95, RATE, "turn-level discount of bi_level_gae")
+    bi_level_turns: str = knob("every", one_of(*BI_LEVEL_TURNS), "bi_level_gae's turns: every "
+                               "reply, or RAGEN's tokens with a non-zero reward (plain GAE under "
+                               "a final reward alone)", before="every")
     norm_adv_by_std_in_grpo: bool = knob(True, None, "GRPO divides by the group's std "
                                          "(False: Dr.GRPO)")
     use_turn_scores: bool = knob(False, None, "per-turn rewards on each turn's last token")

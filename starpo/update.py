@@ -686,7 +686,8 @@ def _advantages(algo: AlgoConfig, critic_cfg, state, traj: Trajectory, rewards, 
         advantages, returns = adv_lib.gae(rewards, values, mask, algo.gamma, algo.lam)
     else:
         advantages, returns = adv_lib.bi_level_gae(
-            rewards, values, mask, traj.turn_end, algo.gamma, algo.lam, algo.high_level_gamma)
+            rewards, values, mask, traj.turn_end, algo.gamma, algo.lam, algo.high_level_gamma,
+            algo.bi_level_turns)
     # PPO whitens token advantages over the batch (as the reference does)
     return adv_lib.masked_whiten(advantages, mask), returns, values
 

@@ -13,7 +13,7 @@ from starpo import advantages as A
 # these arrays are tiny and compile time dominates.
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 gae = _jit(A.gae)
-bi_level_gae = _jit(A.bi_level_gae)
+bi_level_gae = _jit(A.bi_level_gae, static_argnames="turns")
 grpo = _jit(A.grpo, static_argnums=3)
 normalize_scores = _jit(A.normalize_scores, static_argnums=2)
 token_rewards = _jit(A.token_rewards, static_argnums=(4, 5))
@@ -149,6 +149,71 @@ def test_bi_level_gae_with_zero_reward_turns():
     # the token after a turn end never bootstraps into the previous turn's last token
     e = int(turn_end[0, 0])
     assert float(adv[0, e]) == pytest.approx(float(ret[0, e] - values[0, e]), abs=1e-5)
+
+
+def ragen_bi_level(rewards, values, mask, gamma, lam, high_gamma):
+    """RAGEN's bi-level GAE as its trainer computes it (ragen/trainer/core_algos.py at 20daedc),
+    a loop per row: the high level over the tokens whose reward is not 0, the low level over the
+    model's tokens, each such token's target its high-level return (before whitening). Where
+    RAGEN's raises IndexError (a last model token whose reward is 0), it bootstraps from 0."""
+    adv = np.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        ends = list(np.nonzero(rewards[b])[0])
+        target = rewards[b].copy()
+        last = 0.0
+        for i in reversed(range(len(ends))):
+            nxt = values[b, ends[i + 1]] if i + 1 < len(ends) else 0.0
+            last = rewards[b, ends[i]] + high_gamma * nxt - values[b, ends[i]] + (
+                high_gamma * lam * last)
+            target[ends[i]] = last + values[b, ends[i]]
+        valid = list(np.nonzero(mask[b])[0])
+        last = 0.0
+        for i in reversed(range(len(valid))):
+            t = valid[i]
+            if t in ends:
+                last = target[t] - values[b, t]
+            else:
+                nxt = values[b, valid[i + 1]] if i + 1 < len(valid) else 0.0
+                last = target[t] + gamma * nxt - values[b, t] + gamma * lam * last
+            adv[b, t] = last
+    return adv
+
+
+def test_bi_level_gae_with_rewards_as_turns_is_ragens():
+    """`algorithm.bi_level_turns=reward`: RAGEN's loop on the same rows (turn rewards with zeros,
+    small per-token rewards as a KL penalty puts them, one row with no reward at all)."""
+    mask, turn_end = multi_turn_rows(4, B=8)
+    rng = np.random.default_rng(5)
+    rewards = np.zeros(mask.shape, np.float32)
+    for b, k in zip(*np.nonzero(turn_end >= 0)):
+        rewards[b, turn_end[b, k]] = rng.choice([0.0, 0.0, 1.0, -0.5])
+    rewards[:4] += np.where(mask[:4], rng.normal(scale=0.01, size=mask[:4].shape), 0)
+    rewards[5] = 0.0
+    rewards = rewards.astype(np.float32)
+    values = rng.normal(size=mask.shape).astype(np.float32)
+    args = (0.97, 0.9, 0.8)
+    adv, ret = bi_level_gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask),
+                            jnp.asarray(turn_end), *args, turns="reward")
+    np.testing.assert_allclose(adv, ragen_bi_level(rewards, values, mask, *args), atol=1e-5)
+    np.testing.assert_allclose(ret, np.where(mask, adv + values, 0), atol=1e-6)
+
+
+def test_bi_level_turns_by_hand():
+    """Two turns, the first of three tokens with values .2 / .3 / .4, a reward of 1 at the end of
+    the second, gamma = lam = 1, high_level_gamma = .95: every reply a turn, the first turn's
+    target is .95 (advantages .75 / .65 / .55); RAGEN's turns (a final reward alone) make it
+    plain GAE, target 1 (.80 / .70 / .60)."""
+    mask = np.array([[1, 1, 1, 0, 1, 1]], bool)
+    turn_end = np.array([[2, 5]], np.int32)
+    rewards = np.array([[0, 0, 0, 0, 0, 1]], np.float32)
+    values = np.array([[0.2, 0.3, 0.4, 0.0, 0.5, 0.6]], np.float32)
+    every, _ = bi_level_gae(*map(jnp.asarray, (rewards, values, mask, turn_end)), 1.0, 1.0, 0.95)
+    ragen, _ = bi_level_gae(*map(jnp.asarray, (rewards, values, mask, turn_end)), 1.0, 1.0, 0.95,
+                            turns="reward")
+    np.testing.assert_allclose(every[0, :3], [0.75, 0.65, 0.55], atol=1e-6)
+    np.testing.assert_allclose(ragen[0, :3], [0.80, 0.70, 0.60], atol=1e-6)
+    np.testing.assert_allclose(ragen, gae(*map(jnp.asarray, (rewards, values, mask)), 1.0,
+                                          1.0)[0], atol=1e-6)
 
 
 def test_bi_level_single_turn_reduces_to_gae_with_turn_return():

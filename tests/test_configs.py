@@ -264,6 +264,7 @@ BAD = {
     "algorithm.gamma": ["x", "-0.1", "1.5"],
     "algorithm.lam": ["x", "2"],
     "algorithm.high_level_gamma": ["x", "-1"],
+    "algorithm.bi_level_turns": ["ragen", "1"],
     "algorithm.norm_adv_by_std_in_grpo": ["maybe"],
     "algorithm.use_turn_scores": ["maybe"],
     "algorithm.reward_norm_grouping": ["everything"],
