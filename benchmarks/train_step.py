@@ -134,7 +134,7 @@ def main(argv):
         rows, _ = filtering.filter_rows(traj.score, algo.group_size, algo.rollout_filter_ratio,
                                         algo.rollout_filter_type)
         kept = traj.take(rows) if rows.shape[0] < traj.tokens.shape[0] else traj
-        micro = UP._micro_size(algo, kept.tokens.shape[0])
+        micro = UP.micro_size(algo, kept.tokens.shape[0])
         # as the update's preparation runs them: the head at the reply tokens, a single-turn
         # group's prompt once
         positions = UP.head_positions(algo, kept.loss_mask & kept.valid)
@@ -145,7 +145,7 @@ def main(argv):
         timed("old_logprobs", jax.jit(old_logprobs), state.actor_params, kept.tokens, kept.valid,
               positions)
         if algo.uses_critic:
-            values = lambda p, t, v: UP._micro_map(  # noqa: E731
+            values = lambda p, t, v: UP.micro_map(  # noqa: E731
                 lambda a, b: UP.token_values(p, exp.critic_cfg, a, b), micro, t, v)
             timed("values", jax.jit(values), state.critic_params, kept.tokens, kept.valid)
         prepare = jax.jit(UP.make_prepare(algo, cfg, exp.critic_cfg))

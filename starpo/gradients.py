@@ -72,7 +72,7 @@ def make_analysis(algo, actor_cfg, count: int = 6, mode: str = "quantile",
     """jitted analyse(actor_params, batch: update.Batch) -> dict of arrays: per bucket (`all`
     first) the mean gradient norm and loss of each of `components(algo)` over its mini-batches,
     its row and token counts and its reward stds. `batch` is `update.make_prepare`'s."""
-    vgs = {c: lora.value_and_grad(functools.partial(update_lib._actor_loss, algo, actor_cfg,
+    vgs = {c: lora.value_and_grad(functools.partial(update_lib.actor_loss, algo, actor_cfg,
                                                     component=c), has_aux=True)
            for c in components(algo)}
 
@@ -80,7 +80,7 @@ def make_analysis(algo, actor_cfg, count: int = 6, mode: str = "quantile",
         """Every component's (gradient norm, loss) of one mini-batch, summed over micro-batches
         (their denominators are the mini-batch's)."""
         num_tokens, num_seqs = losses.denominators(mb.loss_mask)
-        micro = update_lib._micro_size(algo, mb.tokens.shape[0])
+        micro = update_lib.micro_size(algo, mb.tokens.shape[0])
         out = {}
         for c, vg in vgs.items():
             def add(acc, m, vg=vg):

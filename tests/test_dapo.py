@@ -67,11 +67,11 @@ def test_reply_lengths_count_each_turns_model_tokens():
 def test_the_score_gains_every_turns_penalty_before_normalisation():
     traj, plays = episodes()
     algo = RC.AlgoConfig(response_length=5, overlong_buffer_len=2, overlong_penalty_factor=0.5)
-    score, penalty = UP._score(algo, traj)
+    score, penalty = UP.shaped_score(algo, traj)
     want = [sum(ref_penalty(r, 5, 2, 0.5) for _, r in turns) for turns in plays]
     np.testing.assert_allclose(np.asarray(penalty), want, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(score), np.asarray(traj.score) + want, rtol=1e-6)
-    off_score, off = UP._score(RC.AlgoConfig(response_length=5), traj)
+    off_score, off = UP.shaped_score(RC.AlgoConfig(response_length=5), traj)
     assert off is None and np.array_equal(np.asarray(off_score), np.asarray(traj.score))
 
 

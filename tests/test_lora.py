@@ -258,7 +258,7 @@ def test_the_memory_plan_counts_a_shared_bfloat16_base_and_float32_adapters():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(model__lora__rank=-1), "model.lora.rank must be an integer >= 0"),
+    (dict(model__lora__rank=-1), "model.lora.rank must be >= 0"),
     (dict(model__lora__alpha=0.0), "model.lora.alpha must be > 0"),
     (dict(model__lora__target_modules="q,attn"),
      "model.lora.target_modules: unknown module 'attn'"),

@@ -558,7 +558,7 @@ def test_a_single_turn_batchs_old_logprobs_run_each_prompt_once(params, monkeypa
     monkeypatch.setattr(UP, "loss_share", lambda *a: shares.append(loss_share(*a)) or shares[-1])
     for share in (True, False):
         if not share:
-            monkeypatch.setattr(UP, "prompt_share", lambda *a: 1)
+            monkeypatch.setattr(UP.packed, "prompt_share", lambda *a: 1)
         state = UP.init_train_state(algo, copy(actor0), copy(params[1]) if critic else None)
         update = UP.make_update(algo, CFG, CRITIC if critic else None, compiler_options=FAST)
         results.append(update(state, traj, jax.random.key(3)))
