@@ -1,6 +1,6 @@
 """Run logs: metrics.jsonl, TensorBoard events, sample texts, the console summary line and
-progress (`Progress`: a bar on a terminal, plain lines in a log file), and the Echo Trap early
-warning.
+progress (`Progress`: a bar on a terminal, plain lines in a log file). The monitors that read
+these scalars (the Echo Trap warning, RAGEN-2's stops) are `starpo/monitors.py`.
 
     <workdir>/metrics.jsonl                 one JSON object per logged step: {"step": n, name: x}
     <workdir>/tb/                           TensorBoard event files (tensorboardX)
@@ -14,7 +14,6 @@ torn by a crash: it is dropped by `read_jsonl`, `truncate_after` and a new `Metr
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 import os
@@ -185,7 +184,7 @@ SUMMARY_KEYS = (
 
 
 def reward_std_name(group_size: int) -> str:
-    """The reward spread the console shows and the collapse detector watches: the in-group std,
+    """The reward spread the console shows and the Echo Trap detector watches: the in-group std,
     or the batch's when every group is one episode (a group of one has no spread)."""
     return "rollout/in_group_std" if group_size > 1 else "rollout/batch_std"
 
@@ -264,113 +263,3 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- echo trap
-class CollapseDetector:
-    """The paper's 'Echo Trap' early warning: reward std (rollout/in_group_std, or the batch's
-    with one episode per group: `reward_std_name`) and policy entropy (actor/entropy) both fall
-    sharply relative to their recent history.
-
-    `update` is True when, with at least `min_history` (capped at `window`) earlier values
-    recorded, both current values are below `drop` x the median of the previous `window` values.
-    The median, not the mean: one unusually spread batch in the window would lift a mean enough
-    to flag the next ordinary one. The warning marks the fall; once the low values fill the
-    window it goes quiet again. Non-finite values (a metric missing this step) are not recorded
-    and never warn.
-    """
-
-    def __init__(self, window: int = 10, drop: float = 0.5, min_history: int = 5):
-        if window < 1 or min_history < 1:
-            raise ValueError(f"window and min_history must be >= 1, got {window}, {min_history}")
-        # a short window (a config knob) caps the default min_history rather than failing
-        self.window, self.drop, self.min_history = window, drop, min(min_history, window)
-        self._std = collections.deque(maxlen=window)
-        self._entropy = collections.deque(maxlen=window)
-
-    def update(self, reward_std: float, entropy: float) -> bool:
-        reward_std, entropy = float(reward_std), float(entropy)
-        if not (math.isfinite(reward_std) and math.isfinite(entropy)):
-            return False
-        fire = (len(self._std) >= self.min_history
-                and reward_std < self.drop * float(np.median(self._std))
-                and entropy < self.drop * float(np.median(self._entropy)))
-        self._std.append(reward_std)
-        self._entropy.append(entropy)
-        return fire
-
-    def state_dict(self) -> dict:
-        """The recorded history (JSON-able: goes into checkpoint meta)."""
-        return {"reward_std": list(self._std), "entropy": list(self._entropy)}
-
-    def load_state_dict(self, d: dict) -> None:
-        self._std.clear()
-        self._std.extend(float(x) for x in d["reward_std"])
-        self._entropy.clear()
-        self._entropy.extend(float(x) for x in d["entropy"])
-
-
-class RewardStdStop:
-    """RAGEN-2's reward-variance early stop (`agent_trainer.py`; on there, `trainer.
-    reward_std_stop_steps` here): its base is the mean in-group reward std of the first `steps`
-    steps whose filter kept a group; after those, `steps` such steps in a row all below `ratio`
-    x the base stop the run. A scale-free test, so the std's normalisation (n or n - 1) does not
-    matter; with groups of one episode the std is 0 throughout and it never stops (RAGEN-2's is
-    NaN, and never stops either)."""
-
-    def __init__(self, steps: int = 10, ratio: float = 0.1):
-        self.steps, self.ratio = steps, ratio
-        self.first: list[float] = []
-        self.recent = collections.deque(maxlen=max(steps, 1))
-
-    @property
-    def base(self) -> float | None:
-        return sum(self.first) / len(self.first) if len(self.first) == self.steps else None
-
-    def update(self, std: float) -> bool:
-        """Record one step's in-group reward std (steps whose filter kept nothing are not
-        passed); True when the run should stop."""
-        if self.steps <= 0:
-            return False
-        if self.base is None:
-            self.first.append(float(std))
-            return False
-        self.recent.append(float(std))
-        return (len(self.recent) == self.steps
-                and all(v < self.ratio * self.base for v in self.recent))
-
-    def state_dict(self) -> dict:
-        return {"first": list(self.first), "recent": list(self.recent)}
-
-    def load_state_dict(self, d: dict | None) -> None:
-        d = d or {}
-        self.first = [float(x) for x in d.get("first", [])]
-        self.recent.clear()
-        self.recent.extend(float(x) for x in d.get("recent", []))
-
-
-class LowSuccessStop:
-    """RAGEN-2's low-validation-success early stop (`agent_trainer.py`; on there, `trainer.
-    low_success_stop_validations` here): a validated tag whose success is below `threshold`
-    (1%) at `validations` validations in a row stops the run (the one before training does not
-    count, as RAGEN-2's runs outside its loop)."""
-
-    def __init__(self, validations: int = 5, threshold: float = 0.01):
-        self.validations, self.threshold = validations, threshold
-        self.low: dict[str, int] = {}
-
-    def update(self, scalars: dict) -> list[str]:
-        """Count a validation's `val/<tag>/success` scalars; the tags that stop the run."""
-        if self.validations <= 0:
-            return []
-        for name, value in scalars.items():
-            if name.startswith("val/") and name.endswith("/success"):
-                self.low[name] = self.low.get(name, 0) + 1 if value < self.threshold else 0
-        return self.stopping()
-
-    def stopping(self) -> list[str]:
-        """The success scalars that have been low for `validations` validations in a row."""
-        return [name for name, n in self.low.items() if 0 < self.validations <= n]
-
-    def state_dict(self) -> dict:
-        return dict(self.low)
-
-    def load_state_dict(self, d: dict | None) -> None:
-        self.low = {k: int(v) for k, v in (d or {}).items()}

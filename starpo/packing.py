@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from starpo import model as model_lib
 from starpo import precision
-from starpo.run_config import AlgoConfig
+from starpo.algo import AlgoConfig
 
 
 def packs_rows(algo: AlgoConfig, positions, share: int = 1) -> bool:

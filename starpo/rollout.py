@@ -130,7 +130,7 @@ class Policy(NamedTuple):
     sees_env: bool = False
 
 
-class _Batch(NamedTuple):
+class _Layout(NamedTuple):
     """The static layout of one traced batch: rows per env and the envs' stacked pieces."""
 
     setup: _Setup
@@ -206,7 +206,7 @@ def _column(n, v):
     return jnp.full((n, 1), v, jnp.int32)
 
 
-def _observation(b: _Batch, per_env):
+def _observation(b: _Layout, per_env):
     """Piece ids [B,K] of the stacked table from each env's own piece ids [B_i,K_i]."""
     K = max(p.shape[1] for p in per_env)
     return jnp.concatenate([jnp.pad(jnp.where(p > 0, p + off, 0), ((0, 0), (0, K - p.shape[1])))
@@ -253,7 +253,7 @@ def context_length(setup: _Setup) -> int:
     return min(spec.max_context, -(-reach // CONTEXT_MULTIPLE) * CONTEXT_MULTIPLE)
 
 
-def _first_ids(b: _Batch, env_states):
+def _first_ids(b: _Layout, env_states):
     """Piece ids of the first observation: turn 1's header, state, actions left, reply prime."""
     return _observation(b, [
         jnp.concatenate([_column(n, t.ids["header1"][1]), dialogue.state_pieces(e, t, s),
@@ -262,7 +262,7 @@ def _first_ids(b: _Batch, env_states):
         for e, t, s, n in zip(b.setup.texts, b.setup.tables, env_states, b.sizes)])
 
 
-def _next_ids(b: _Batch, c: EpisodeCarry, k):
+def _next_ids(b: _Layout, c: EpisodeCarry, k):
     """Piece ids of the observation before turn k (k >= 1): the rest of the last reply's
     message, its reward, turn k+1's header, state and actions left, the reply prime."""
     M = b.setup.spec.max_turn
@@ -331,7 +331,7 @@ def _play_actions(env, etext, thinking: bool, env_state, x, happened, budget_lef
     return _Acted(n_parsed, n_valid, jax.lax.fori_loop(0, R, act, init))
 
 
-def _policy_step(b: _Batch, policy: Policy, c: EpisodeCarry, k, chunk, valid, key):
+def _policy_step(b: _Layout, policy: Policy, c: EpisodeCarry, k, chunk, valid, key):
     """Turn k's observation + reply (rows not alive are untouched; skipped if none is).
     Returns (policy state, Turn, each row's end before the turn)."""
     B, N = c.alive.shape[0], b.setup.spec.max_new_tokens
@@ -360,7 +360,7 @@ def anchor_hash(env, env_state, salt: int = 0) -> jax.Array:
     return state_hash(view, salt=salt)
 
 
-def _after_reply(b: _Batch, c: EpisodeCarry, k, key, pstate, turn, end_before) -> EpisodeCarry:
+def _after_reply(b: _Layout, c: EpisodeCarry, k, key, pstate, turn, end_before) -> EpisodeCarry:
     """Parse turn k's replies, run their actions, record the turn."""
     setup, spec = b.setup, b.setup.spec
     happened = c.alive & (turn.length > 0)
@@ -415,7 +415,7 @@ def _initial_carry(pstate, env_states, B: int, M: int) -> EpisodeCarry:
                           n_effective=zeros_i, state_hash=zeros_i))
 
 
-def _results(b: _Batch, c: EpisodeCarry, group_id):
+def _results(b: _Layout, c: EpisodeCarry, group_id):
     """(Trajectory, per-episode metrics) of the finished episodes."""
     ps, tr = c.policy, c.turns
     T = ps.tokens.shape[1]
@@ -468,7 +468,7 @@ def _play_episodes(setup: _Setup, policy: Policy, pstate, env_states, group_id, 
     sizes = tuple(jax.tree_util.tree_leaves(s)[0].shape[0] for s in env_states)
     if sum(sizes) != B:
         raise ValueError(f"env states of {list(sizes)} rows for a batch of {B} rows")
-    b = _Batch(setup, sizes, *dialogue.stack_pieces(setup.tables))
+    b = _Layout(setup, sizes, *dialogue.stack_pieces(setup.tables))
     # The system prompt and the env prefix are the same in every row of an env and in every
     # episode: they are appended once, without a reply (left-aligned, padded to the longest
     # env's). Every turn's observation then has one width C, the widest env's.

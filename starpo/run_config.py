@@ -21,7 +21,8 @@ import ml_collections
 import envs
 from starpo import checkpoint as ckpt_lib
 from starpo import cli
-from starpo import dialogue, evaluate, filtering, schema
+from starpo import dialogue, evaluate, schema
+from starpo.algo import AlgoConfig  # noqa: F401 (the readers' product, as run_config.AlgoConfig)
 from starpo import rollout as rollout_lib
 from starpo.precision import phase_dtypes
 
@@ -47,72 +48,8 @@ def context_window(config) -> int:
 
 
 # ----------------------------------------------------------------------------- the algorithm
-@dataclasses.dataclass(frozen=True)
-class AlgoConfig(schema.Algorithm):
-    """The update's knobs (hashable): `config.algorithm` (schema.Algorithm) plus what it needs of
-    the rollout, each checked by its rule on construction."""
-
-    group_size: int = schema.knob(schema.Rollout.group_size, schema.SIZE)
-    # the rollout's sampling temperature: the policy being optimised is the tempered one, so the
-    # training forward divides logits by it too (as the reference's actor does)
-    temperature: float = schema.knob(schema.Rollout.temperature, schema.TEMPERATURE)
-    # max new tokens per turn (overlong shaping's Lmax)
-    response_length: int = schema.knob(schema.Rollout.response_length, schema.SIZE)
-    # turns per episode: a row holds at most max_turn x response_length sampled tokens, where
-    # alone the update runs its output head (`update.head_positions`; 0 = at every position)
-    max_turn: int = schema.knob(0, schema.COUNT)
-    # the context window in turns (`RolloutSpec.context_window`): the training forward masks
-    # attention the same way, so log-probs are those of the context each token was sampled in
-    context_window: int = schema.knob(0, schema.COUNT)
-
-    def __post_init__(self):
-        """Every knob in its range; messages name the config key (`algorithm.x`, `rollout.x`)."""
-        schema.check_fields(self, _key)
-        if self.adv_estimator == "gigpo" and self.group_size < 2:
-            raise ConfigError("algorithm.adv_estimator=gigpo compares episodes of one group: it "
-                              f"needs rollout.group_size >= 2, got {self.group_size}")
-        if self.overlong_buffer_len > self.response_length:
-            raise ConfigError(f"algorithm.overlong_buffer_len {self.overlong_buffer_len} is more "
-                              f"than rollout.response_length {self.response_length}")
-        if self.ppo_mini_batch_size % self.micro_batch_size:
-            raise ConfigError(f"algorithm.ppo_mini_batch_size {self.ppo_mini_batch_size} is not a "
-                             f"multiple of algorithm.micro_batch_size {self.micro_batch_size}")
-
-    def replace(self, **changes) -> "AlgoConfig":
-        return dataclasses.replace(self, **changes)
-
-    def static_groups(self, num_groups: int) -> int:
-        """Groups of a rollout of `num_groups` in the update's batch (`filtering.static_groups`:
-        the kept ones for top_k / top_k_abs, every one for the masked strategies)."""
-        return filtering.static_groups(num_groups, self.rollout_filter_ratio,
-                                       self.rollout_filter_strategy, self.rollout_filter_count,
-                                       self.rollout_filter_include_zero)
-
-    @property
-    def masks_rows(self) -> bool:
-        """Whether the rollout filter masks rows rather than gathering the kept ones
-        (`filtering.masks_rows`)."""
-        return filtering.masks_rows(self.rollout_filter_strategy,
-                                    self.rollout_filter_include_zero)
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.adv_estimator not in ("grpo", "gigpo")
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.use_kl_loss or self.use_kl_in_reward
-
-
-_FROM_ROLLOUT = tuple(f.name for f in dataclasses.fields(AlgoConfig)
-                      if f.name not in schema.Algorithm.__dataclass_fields__)
-
-
-def _key(name: str) -> str:
-    """The config key of an AlgoConfig field (the rollout's come from `rollout`)."""
-    return f"rollout.{name}" if name in _FROM_ROLLOUT else f"algorithm.{name}"
-
-
+# (`AlgoConfig` lives in `starpo.algo`, low in the package, so that the update need not import
+# this module)
 def algo_config(config) -> AlgoConfig:
     """The update's knobs: `config.algorithm` plus group size, temperature, reply budget and
     context window of the rollout."""
@@ -318,7 +255,7 @@ def init_source(config) -> tuple[str, int]:
 
 # ----------------------------------------------------------------------------- the whole run
 @dataclasses.dataclass(frozen=True)
-class BatchSpec:
+class PlaySpec:
     """The episodes a rollout plays per step (`config.rollout`) or per validation (`config.val`)."""
 
     env_groups: int
@@ -335,7 +272,7 @@ class BatchSpec:
 class ValSpec:
     """`config.val`: the validation sets, their batch and when they play."""
 
-    batch: BatchSpec
+    batch: PlaySpec
     tags: tuple
     before_train: bool
     test_freq: int
@@ -372,7 +309,7 @@ class RunSpec:
     seed: int
     algo: AlgoConfig
     rollout: rollout_lib.RolloutSpec
-    batch: BatchSpec
+    batch: PlaySpec
     mix: tuple
     context_window: int
     val: ValSpec
@@ -383,8 +320,8 @@ class RunSpec:
     envs: dict  # tag -> env of every tag the run plays (`make_env`)
 
 
-def _batch(part) -> BatchSpec:
-    return BatchSpec(part.env_groups, part.group_size, batch_size(part), part.temperature)
+def _batch(part) -> PlaySpec:
+    return PlaySpec(part.env_groups, part.group_size, batch_size(part), part.temperature)
 
 
 def read(config) -> RunSpec:
@@ -399,5 +336,5 @@ def read(config) -> RunSpec:
     tags = (config.env.name,) + tuple(t for t, _ in mix) + val.tags
     rollout = _rollout_spec(config.rollout, dtypes["prefill"], window)
     return RunSpec(config, config.seed, algo, rollout, _batch(config.rollout), mix, window, val,
-                   schema.read(TrainerSpec, config.trainer), sft, model, (mesh.data, mesh.fsdp, mesh.tensor),
-                   {tag: make_env(config, tag) for tag in tags})
+                   schema.read(TrainerSpec, config.trainer), sft, model,
+                   (mesh.data, mesh.fsdp, mesh.tensor), {tag: make_env(config, tag) for tag in tags})

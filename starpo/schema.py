@@ -282,8 +282,10 @@ class Algorithm:
     rollout_filter_top_p: float = knob(1.0, SHARE, "top_p: keep groups up to this share of the "
                                        "score mass (RAGEN-2 recommends 0.9)", before=1.0)
     rollout_filter_top_p_prob_mode: str = knob("linear", one_of(*TOP_P_PROB_MODES),
-                                               "top_p's mass: the scores, or their softmax", before="linear")
-    rollout_filter_include_zero: bool = knob(True, None, "False drops zero-std groups first", before=True)
+                                               "top_p's mass: the scores, or their softmax",
+                                               before="linear")
+    rollout_filter_include_zero: bool = knob(True, None, "False drops zero-std groups first",
+                                             before=True)
     rollout_filter_selection_eps: float = knob(0.01, COUNT, "linear top_p: threshold = p x "
                                                "sum - eps", before=0.01)
     filter_loss_scaling: str = knob("none", one_of(*FILTER_LOSS_SCALINGS),
@@ -301,7 +303,8 @@ class Algorithm:
     # GiGPO (verl-agent)
     gigpo_step_advantage_w: float = knob(1.0, COUNT, "weight of the step-level advantage of "
                                          "identical env states", before=1.0)
-    gigpo_mode: str = knob("mean_norm", one_of(*GIGPO_MODES), "both levels' normalisation", before="mean_norm")
+    gigpo_mode: str = knob("mean_norm", one_of(*GIGPO_MODES), "both levels' normalisation",
+                           before="mean_norm")
     gigpo_episode_over_steps: bool = knob(True, None, "episode-level statistics over steps "
                                           "(verl-agent's) or, False, over episodes",
                                           before=True)

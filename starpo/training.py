@@ -33,6 +33,7 @@ from starpo import evaluate, gradients
 from starpo import experiment as experiment_lib
 from starpo import filtering, harness, memory
 from starpo import metrics as metrics_lib
+from starpo import monitors as monitors_lib
 from starpo import model as model_lib
 from starpo import rollout as rollout_lib
 from starpo import run_config, sft, sharding
@@ -346,14 +347,11 @@ class _Loop:
         # where the loop waits anyway; nothing on CPU, whose backend reports no peak)
         self.unmeasured = {"validation", "train"}
         self.setup_peak = None
-        self.detector = metrics_lib.CollapseDetector(window=run.trainer.collapse_window)
-        # RAGEN-2's other early stops (off unless their knobs are set)
-        self.std_stop = metrics_lib.RewardStdStop(run.trainer.reward_std_stop_steps)
-        self.success_stop = metrics_lib.LowSuccessStop(run.trainer.low_success_stop_validations)
+        # the Echo Trap warning and RAGEN-2's warnings and stops, in the order they print
+        self.monitors = monitors_lib.monitors(run.trainer, run.batch.group_size)
         self.state, self.start, self.counter = None, 0, 0
         self.contexts = UpdateContexts(run.trainer.context_bucket)
         self.writer = None
-        self.empty = 0  # steps in a row whose rollout filter kept no group
         self.template, self.template_state = None, None  # the diagnostic and its resumed EMA
         self.analysis = None  # RAGEN-2's gradient analysis (trainer.gradient_analysis_every)
 
@@ -409,7 +407,7 @@ class _Loop:
         harness.measured_peaks(scalars, self.planned, say)
 
     def _resume(self, resuming) -> None:
-        """The state, first step, level seed counter, collapse detector and update contexts of
+        """The state, first step, level seed counter, monitors' state and update contexts of
         the latest checkpoint, or fresh ones."""
         exp = self.exp
         if resuming and self.ckpt.latest_step() is not None:
@@ -419,10 +417,9 @@ class _Loop:
             self.start = int(meta["step"])
             self.counter = int(meta.get("env_seed_counter",
                                         self.start * self.run_spec.batch.env_groups))
-            self.detector.load_state_dict(meta["collapse_detector"])
+            for m in self.monitors:  # a key absent (saved before the monitor was): fresh
+                m.load_state_dict(meta.get(m.key))
             self.template_state = meta.get("template_collapse")  # absent: saved before it was
-            self.std_stop.load_state_dict(meta.get("reward_std_stop"))
-            self.success_stop.load_state_dict(meta.get("low_success_stop"))
             self.contexts = UpdateContexts(self.trainer.context_bucket,
                                            state=meta.get("update_contexts"))
             self.log(f"resuming {self.workdir} from step {self.start}")
@@ -464,72 +461,22 @@ class _Loop:
             self._measured_peaks(scalars, say)
         self.counter = int(scalars["env/seed_counter"])
         n = step + 1
-        stop = self._flag(scalars)
         if spec.val.test_freq > 0 and n % spec.val.test_freq == 0:
             scalars.update(self._validate(n, say))
-            if self.success_stop.update(scalars):  # RAGEN-2: no success on a tag for a while
-                scalars["early_stopped/low_validation_success"] = 1.0
-                stop = True
+        lines, stop = [], False
+        for m in self.monitors:  # each adds its scalars before they are written
+            said, stops = m.observe(n, scalars)
+            lines, stop = lines + said, stop or stops
         self.writer.write(n, scalars)
         say(metrics_lib.summary_line(n, spec.trainer.total_steps, scalars, self._keys()))
-        self._warn(n, scalars, say)
+        for line in lines:
+            say(line)
         return n, scalars, stop
-
-    def _flag(self, scalars: dict) -> bool:
-        """The step's warning/ scalars (Echo Trap, template collapse, empty filter); whether
-        one of them stops the run (`trainer.stop_on_collapse`, the empty-filter limit)."""
-        t = self.trainer
-        std_name = metrics_lib.reward_std_name(self.run_spec.batch.group_size)
-        collapse = self.detector.update(scalars.get(std_name, float("nan")),
-                                        scalars.get("actor/entropy", float("nan")))
-        scalars["warning/echo_trap"] = float(collapse)
-        if "collapse/mi_estimate" in scalars:  # RAGEN-2's diagnostic ran this step
-            scalars["warning/template_collapse"] = float(
-                collapse_lib.warns(scalars, t.collapse_mi_warn))
-        # RAGEN-2: a filter that kept no group (the batch made no update) several steps in a
-        # row stops the run
-        self.empty = self.empty + 1 if scalars.get("rollout/kept_groups", 1.0) == 0 else 0
-        scalars["rollout/consecutive_empty_after_filter_steps"] = float(self.empty)
-        limit = t.rollout_filter_empty_stop_steps
-        # RAGEN-2: the in-group reward std of the steps that trained, against its first steps'
-        if not self.empty and "rollout/in_group_std" in scalars:
-            if self.std_stop.update(scalars["rollout/in_group_std"]):
-                scalars["early_stopped/reward_variance_collapse"] = 1.0
-        return bool((collapse and t.stop_on_collapse) or 0 < limit <= self.empty
-                    or "early_stopped/reward_variance_collapse" in scalars)
-
-    def _warn(self, n: int, scalars: dict, say) -> None:
-        t = self.trainer
-        if scalars["warning/echo_trap"]:
-            say(f"warning: step {n}: reward std and entropy both fell sharply (Echo Trap); "
-                "consider a lower lr, the StarPO-S filter or a critic")
-        if scalars.get("warning/template_collapse"):
-            say(f"warning: step {n}: template collapse: the first reply hardly depends on "
-                f"the prompt (MI estimate {scalars['collapse/mi_estimate']:.4f} nats per "
-                f"token < trainer.collapse_mi_warn {t.collapse_mi_warn}, "
-                f"retrieval {scalars['collapse/retrieval_accuracy']:.2f} vs chance "
-                f"{scalars['collapse/retrieval_chance_level']:.2f})")
-        limit = t.rollout_filter_empty_stop_steps
-        if 0 < limit <= self.empty:
-            say(f"warning: step {n}: the rollout filter kept no group {self.empty} steps in a "
-                f"row (trainer.rollout_filter_empty_stop_steps={limit}): stopping")
-        if "early_stopped/reward_variance_collapse" in scalars:
-            k = t.reward_std_stop_steps
-            say(f"warning: step {n}: the in-group reward std stayed below a tenth of its first "
-                f"{k} steps' mean ({self.std_stop.base:.4g}) {k} steps in a row "
-                f"(trainer.reward_std_stop_steps={k}): stopping")
-        if "early_stopped/low_validation_success" in scalars:
-            k = t.low_success_stop_validations
-            say(f"warning: step {n}: validation success below 1% {k} validations in a row on "
-                f"{', '.join(self.success_stop.stopping())} "
-                f"(trainer.low_success_stop_validations={k}): stopping")
 
     def _save(self, step: int) -> None:  # a LoRA run's checkpoint holds what trains, not its base
         self.ckpt.save(step, update_lib.split_state(self.state)[0], {
             "step": step, "env_seed_counter": self.counter, "seed": self.run_spec.seed,
             "config": json.loads(harness.config_json(self.run_spec.config)),
-            "collapse_detector": self.detector.state_dict(),
             "template_collapse": self.template.state_dict() if self.template else None,
-            "reward_std_stop": self.std_stop.state_dict(),
-            "low_success_stop": self.success_stop.state_dict(),
-            "update_contexts": self.contexts.state_dict()})
+            "update_contexts": self.contexts.state_dict(),
+            **{m.key: m.state_dict() for m in self.monitors if m.key}})

@@ -1,4 +1,5 @@
-"""starpo.metrics: JSONL format and resume, TensorBoard events, summary line, CollapseDetector."""
+"""starpo.metrics: JSONL format and resume, TensorBoard events, summary line; the monitors'
+detectors (starpo.monitors: Echo Trap, RAGEN-2's stops)."""
 
 import collections
 import glob
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starpo.metrics import (METRICS_FILE, CollapseDetector, MetricsWriter, Progress,
-                            read_jsonl, summary_keys, summary_line, truncate_after)
+from starpo.metrics import (METRICS_FILE, MetricsWriter, Progress, read_jsonl, summary_keys,
+                            summary_line, truncate_after)
+from starpo.monitors import EchoTrapDetector
 
 
 def read_events(logdir):
@@ -172,40 +174,40 @@ def falling_series(n=30, fall_at=20, seed=0):
 
 def test_collapse_detector_fires_on_a_fall_only():
     std, ent = falling_series()
-    det = CollapseDetector(window=10, drop=0.5, min_history=5)
+    det = EchoTrapDetector(window=10, drop=0.5, min_history=5)
     fired = [det.update(s, e) for s, e in zip(std, ent)]
     assert fired[20] and not any(fired[:20])
 
     # noisy but flat: never (heavy noise, occasional spikes included)
     rng = np.random.default_rng(1)
-    det = CollapseDetector()
+    det = EchoTrapDetector()
     flat_std = np.abs(0.4 + 0.1 * rng.standard_normal(200))
     flat_std[::17] = 2.0
     flat_ent = 1.5 + 0.15 * rng.standard_normal(200)
     assert not any(det.update(s, e) for s, e in zip(flat_std, flat_ent))
 
     # only one of the two falling: not the Echo Trap
-    det = CollapseDetector()
+    det = EchoTrapDetector()
     assert not any(det.update(s, e) for s, e in zip(std, np.full(30, 1.5)))
 
     # not before min_history values; non-finite values neither warn nor count
-    det = CollapseDetector(window=10, min_history=5)
+    det = EchoTrapDetector(window=10, min_history=5)
     assert [det.update(v, v) for v in (1.0, 1.0, math.nan, 1.0, 1.0, 0.1, 0.1)] == [
         False, False, False, False, False, False, True]
-    det = CollapseDetector(window=2)  # min_history capped at the window
+    det = EchoTrapDetector(window=2)  # min_history capped at the window
     assert [det.update(v, v) for v in (1.0, 1.0, 0.1)] == [False, False, True]
 
 
 def test_collapse_detector_state_dict_round_trip():
     std, ent = falling_series(n=40, fall_at=25, seed=2)
-    straight = CollapseDetector(window=8)
+    straight = EchoTrapDetector(window=8)
     expected = [straight.update(s, e) for s, e in zip(std, ent)]
     assert any(expected)
 
-    first = CollapseDetector(window=8)
+    first = EchoTrapDetector(window=8)
     got = [first.update(s, e) for s, e in zip(std[:22], ent[:22])]
     saved = json.loads(json.dumps(first.state_dict()))  # as it travels in checkpoint meta
-    resumed = CollapseDetector(window=8)
+    resumed = EchoTrapDetector(window=8)
     resumed.load_state_dict(saved)
     got += [resumed.update(s, e) for s, e in zip(std[22:], ent[22:])]
     assert got == expected
@@ -231,7 +233,7 @@ def ragen2_variance_stop(stds):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_reward_std_stop_is_ragen2s_and_resumes(seed):
-    from starpo.metrics import RewardStdStop
+    from starpo.monitors import RewardStdStop
     rng = np.random.default_rng(seed)
     # a healthy start, then a fall to a twentieth with a few spikes above the bar on the way
     stds = list(rng.uniform(0.3, 0.5, 10 + 5 * seed)) + list(rng.uniform(0.0, 0.02, 30))
@@ -255,7 +257,7 @@ def test_reward_std_stop_is_ragen2s_and_resumes(seed):
 def test_low_success_stop_counts_each_tag_in_a_row():
     """RAGEN-2's rule: a tag's validation success below 1% five validations in a row stops;
     one at or above 1% starts its count again; other scalars do not count."""
-    from starpo.metrics import LowSuccessStop
+    from starpo.monitors import LowSuccessStop
     stop = LowSuccessStop(5)
     a, b = "val/FrozenLake/success", "val/Sokoban/success"
     seq = [{a: 0.0, b: 0.5}, {a: 0.005, b: 0.0}, {a: 0.0, b: 0.0}, {a: 0.01, b: 0.0},
@@ -334,3 +336,41 @@ def test_only_the_same_model_with_other_weights_compares():
                                       eos_ids=(0,), pad_id=0)
     with pytest.raises(ValueError, match="^b has another tokenizer than runs/a@2$"):
         evaluate.check_comparable(a, LoadedModel(cfg, {}, other_tok, "b"))
+
+
+def test_the_monitors_run_in_order_and_resume_their_state():
+    """The loop's monitors (`monitors.monitors`): each adds its scalars and lines in order, and
+    a monitor restored from its checkpoint state carries on as if never stopped (the empty-filter
+    count was not kept in checkpoints before it was a monitor)."""
+    from starpo import monitors, schema
+
+    trainer = schema.Trainer(rollout_filter_empty_stop_steps=3, collapse_mi_warn=0.5)
+    run = monitors.monitors(trainer, group_size=4)
+    assert [m.key for m in run] == ["collapse_detector", "", "empty_filter_steps",
+                                    "reward_std_stop", "low_success_stop"]
+
+    def step(ms, n, **scalars):
+        lines, stop = [], False
+        for m in ms:
+            said, stops = m.observe(n, scalars)
+            lines, stop = lines + said, stop or stops
+        return scalars, lines, stop
+
+    for n in (1, 2):
+        scalars, lines, stop = step(run, n, **{"rollout/kept_groups": 0.0})
+        assert (scalars["rollout/consecutive_empty_after_filter_steps"], lines, stop) == (
+            float(n), [], False)
+    saved = {m.key: m.state_dict() for m in run if m.key}
+    resumed = monitors.monitors(trainer, group_size=4)
+    for m in resumed:
+        m.load_state_dict(saved.get(m.key))
+    scalars, lines, stop = step(resumed, 3, **{
+        "rollout/kept_groups": 0.0, "collapse/mi_estimate": 0.1,
+        "collapse/retrieval_chance_level": 0.25, "collapse/retrieval_accuracy": 0.3})
+    assert stop and scalars["warning/template_collapse"] == 1.0
+    assert [line.split(":")[2].split()[0] for line in lines] == ["template", "the"]
+    assert "kept no group 3 steps in a row" in lines[1]
+    # a checkpoint saved before the count was kept starts it again
+    fresh = monitors.EmptyFilterStop(3)
+    fresh.load_state_dict(None)
+    assert fresh.empty == 0

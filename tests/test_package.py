@@ -130,3 +130,55 @@ def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "x" / "checkpoints" / "1").is_dir()
     again = checkpoint.Checkpointer("runs/x/checkpoints", read_only=True)
     assert again.latest_step() == 1
+
+
+def _starpo_imports() -> dict:
+    """module -> the starpo modules its top-level statements import (`starpo/update/` as one)."""
+    import ast
+
+    out = {}
+    for path in sorted((ROOT / "starpo").glob("*.py")) + [ROOT / "starpo" / "update"]:
+        name = path.stem if path.suffix else path.name
+        if name == "__init__":
+            continue
+        files = sorted(path.glob("*.py")) if path.is_dir() else [path]
+        deps = set()
+        for f in files:
+            for node in ast.parse(f.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ImportFrom) and node.module == "starpo":
+                    deps |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("starpo."):
+                    deps.add(node.module.split(".")[1])
+                elif isinstance(node, ast.Import):
+                    deps |= {a.name.split(".")[1] for a in node.names
+                             if a.name.startswith("starpo.")}
+        out[name] = deps - {name}
+    return out
+
+
+def test_the_layout_page_lists_every_module_and_its_floor():
+    """docs/layout.md's floors are the code's: a module's floor is one above the highest of the
+    modules it imports (0: none), and every module has a line in the page's module list."""
+    imports = _starpo_imports()
+    floors = {}
+
+    def floor(name, seen=()):
+        assert name not in seen, f"an import circle: {seen + (name,)}"
+        if name not in floors:
+            below = [floor(d, seen + (name,)) for d in imports[name] if d in imports]
+            floors[name] = 1 + max(below) if below else 0
+        return floors[name]
+
+    for name in imports:
+        floor(name)
+    page = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    block = page.split("```\nfloor ")[1].split("```")[0]
+    documented, current = [], None
+    for line in ("floor " + block).splitlines():
+        words = line.split()
+        if words[:1] == ["floor"]:
+            current, words = int(words[1]), words[2:]
+        documented += [(w, current) for w in words]
+    assert sorted(documented) == sorted(floors.items())
+    for name in imports:
+        assert f"\nstarpo/{name}.py " in page or f"\nstarpo/{name}/ " in page, name

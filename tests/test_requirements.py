@@ -18,6 +18,8 @@ import re
 import sys
 import tomllib
 
+import setuptools
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LOCAL = {"starpo", "envs", "launch", "configs", "tests", "benchmarks", "experiments"}
 # Modules that are not installed in every environment the suite runs in (the cross-check extras
@@ -136,9 +138,14 @@ def test_the_package_declares_requirements_txt():
     bounds = jax[jax.index("]") + 1:]
     assert extras["cuda"] == [f"jax[cuda12]{bounds}"] and extras["tpu"] == [f"jax[tpu]{bounds}"]
     assert extras["cuda13"] == [f"jax[cuda13]{bounds}"]
-    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-                   ["packages"]["find"]["include"])
-    assert packages == {"starpo", "envs", "configs", "launch"}  # what the entry points import
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]
+    # what the entry points import, their subpackages (starpo.update) too, and nothing else
+    wanted = {".".join(p.parent.relative_to(ROOT).parts)
+              for top in ("starpo", "envs", "configs", "launch")
+              for p in (ROOT / top).rglob("__init__.py")}
+    assert "starpo.update" in wanted
+    assert set(setuptools.find_packages(str(ROOT), include=include)) == wanted
 
 
 def test_every_command_is_a_launcher():

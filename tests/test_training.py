@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from configs import bandit
-from starpo import checkpoint, experiment, metrics, run_config, training, weights
+from starpo import checkpoint, experiment, metrics, monitors, run_config, training, weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -299,7 +299,7 @@ def test_redirected_output_has_each_step_and_warning_on_a_line_of_its_own(
     step's line, the Echo Trap warning's too, begins a line (`grep '^step' log` counts them)."""
     config, exp = bandit_run
     config = with_changes(config, trainer__total_steps=3, val__test_freq=0)
-    monkeypatch.setattr(metrics.CollapseDetector, "update", lambda self, std, entropy: True)
+    monkeypatch.setattr(monitors.EchoTrapDetector, "update", lambda self, std, entropy: True)
     capfd.readouterr()
     training.train(config, str(tmp_path / "run"), progress=True, experiment=exp)
     out, err = capfd.readouterr()

@@ -35,7 +35,7 @@ import optax
 
 from starpo import lora, sharding
 from starpo.model import ModelConfig
-from starpo.run_config import AlgoConfig
+from starpo.algo import AlgoConfig
 from starpo.trajectory import Trajectory
 from starpo.update.forward import (  # noqa: F401
     Batch, batch_window, head_positions, masked_stats, micro_map, micro_size, micro_split,
@@ -77,40 +77,41 @@ def _one_update(algo: AlgoConfig, grads_fn, optimizers, batch: Batch, frozen, tr
         mb = jax.tree_util.tree_map(lambda x: x[rows], batch)
         # During critic warm-up the actor's gradient is still computed but not applied: a
         # `lax.cond` around it would nearly double the compile time for a few early steps.
-        actor_g, critic_g, m = grads_fn(state.actor_params, state.critic_params, mb,
-                                        share)  # a new dict
+        actor_g, critic_g, metrics = grads_fn(state.actor_params, state.critic_params, mb,
+                                              share)  # a new dict
         some = mb.loss_mask.any() & is_real  # a mini-batch past the kept rows has nothing
-        state = _actor_step(actor_tx, actor_lr, state, actor_g, m, train_actor & is_real,
+        state = _actor_step(actor_tx, actor_lr, state, actor_g, metrics, train_actor & is_real,
                             train_actor & some)
         if algo.uses_critic:
-            state = _critic_step(critic_tx, critic_lr, state, critic_g, m, is_real, some)
-        return split_state(state)[0], m
+            state = _critic_step(critic_tx, critic_lr, state, critic_g, metrics, is_real, some)
+        return split_state(state)[0], metrics
 
     return one_update
 
 
-def _actor_step(tx, lr, state: TrainState, grads, m: dict, due, apply_if_ok) -> TrainState:
+def _actor_step(tx, lr, state: TrainState, grads, metrics: dict, due,
+                apply_if_ok) -> TrainState:
     """The actor's AdamW step of one mini-batch, taken where `apply_if_ok` and its loss and
-    gradients are finite (a non-finite one is counted where `due`); its metrics into `m`."""
+    gradients are finite (a non-finite one is counted where `due`); its metrics added."""
     norm = optax.global_norm(grads)
-    ok = jnp.isfinite(norm) & jnp.isfinite(m["actor/loss"])
-    m["actor/grad_norm"] = norm
-    m["actor/lr"] = lr(state.actor_steps)
-    m["actor/nonfinite_skipped"] = (due & ~ok).astype(jnp.float32)
-    m["actor/online_k"] = (apply_if_ok & ok).astype(jnp.float32)
+    ok = jnp.isfinite(norm) & jnp.isfinite(metrics["actor/loss"])
+    metrics["actor/grad_norm"] = norm
+    metrics["actor/lr"] = lr(state.actor_steps)
+    metrics["actor/nonfinite_skipped"] = (due & ~ok).astype(jnp.float32)
+    metrics["actor/online_k"] = (apply_if_ok & ok).astype(jnp.float32)
     apply = apply_if_ok & ok
     params, opt_state = _apply(tx, state.actor_params, state.actor_opt_state, grads, apply)
     return state.replace(actor_params=params, actor_opt_state=opt_state,
                          actor_steps=state.actor_steps + apply)
 
 
-def _critic_step(tx, lr, state: TrainState, grads, m: dict, is_real, some) -> TrainState:
+def _critic_step(tx, lr, state: TrainState, grads, metrics: dict, is_real, some) -> TrainState:
     """The critic's AdamW step of one mini-batch (as `_actor_step`, with no warm-up)."""
     norm = optax.global_norm(grads)
-    ok = jnp.isfinite(norm) & jnp.isfinite(m["critic/vf_loss"])
-    m["critic/grad_norm"] = norm
-    m["critic/lr"] = lr(state.critic_steps)
-    m["critic/nonfinite_skipped"] = (~ok & is_real).astype(jnp.float32)
+    ok = jnp.isfinite(norm) & jnp.isfinite(metrics["critic/vf_loss"])
+    metrics["critic/grad_norm"] = norm
+    metrics["critic/lr"] = lr(state.critic_steps)
+    metrics["critic/nonfinite_skipped"] = (~ok & is_real).astype(jnp.float32)
     params, opt_state = _apply(tx, state.critic_params, state.critic_opt_state, grads, ok & some)
     return state.replace(critic_params=params, critic_opt_state=opt_state,
                          critic_steps=state.critic_steps + (ok & some))

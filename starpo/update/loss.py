@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from starpo import lora, losses, packing
 from starpo.model import ModelConfig
-from starpo.run_config import AlgoConfig
+from starpo.algo import AlgoConfig
 from starpo.update.forward import (Batch, batch_window, micro_size, micro_split, token_logprobs,
                                    token_values)
 from starpo.update.packed import pack_rows, share_micro

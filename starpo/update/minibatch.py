@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from starpo.run_config import AlgoConfig
+from starpo.algo import AlgoConfig
 from starpo.trajectory import Trajectory
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from starpo import model as model_lib
 from starpo import packing
 from starpo.model import ModelConfig
-from starpo.run_config import AlgoConfig
+from starpo.algo import AlgoConfig
 from starpo.update.forward import (Batch, micro_map, micro_split, reply_positions,
                                    token_logprobs, turn_window)
 from starpo.update.minibatch import in_order, plain_split

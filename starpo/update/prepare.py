@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from starpo import advantages as adv_lib
 from starpo import filtering, losses, packing
 from starpo.model import ModelConfig
-from starpo.run_config import AlgoConfig
+from starpo.algo import AlgoConfig
 from starpo.trajectory import Trajectory
 from starpo.update.forward import (Batch, head_positions, masked_stats, micro_map, micro_size,
                                    token_values, turn_window)

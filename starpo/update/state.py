@@ -15,7 +15,7 @@ from starpo import lora
 from starpo import model as model_lib
 from starpo import sharding
 from starpo.model import ModelConfig
-from starpo.run_config import AlgoConfig
+from starpo.algo import AlgoConfig
 
 
 @struct.dataclass
