@@ -130,34 +130,18 @@ def cpu(c: ml_collections.ConfigDict) -> None:
 def gpu(c: ml_collections.ConfigDict) -> None:
     """The embedded SmolLM2-135M on one GPU of the H100 / H200 class: a supervised warm start on
     the solver's demonstrations (starpo/sft.py), then StarPO-S RL from its weights, one env's
-    whole run a few minutes. Timed on one H100 for FrozenLake (docs/results.md, "SmolLM2 on a
-    GPU"): an SFT step of 32 demonstrations 0.24 s, an RL step 0.7-1.0 s, each validation of
-    2 x 256 levels 1.7 s once compiled; 500 SFT steps brought the slippery lake to 0.42-0.44
-    with demonstrations that play the env's budget of 5 moves a turn and the rate decayed
-    (configs/frozenlake.py; one H200, two seeds; 0.94
-    of that budget's ceiling after 100 RL steps, one seed), the non-slippery one to 0.90 (three
-    seeds) and SimpleSokoban to 0.895 (solver 0.996), and 20-84 RL steps after the last two
-    at these rates held each but moved nothing beyond the noise
-    (one on-policy Adam step a batch at lr 1e-5 on a near-deterministic policy, close to the
-    solver's success; on a tiny model the same regime lifts a weaker warm start by +0.15 and
-    a strong one by +0.02: docs/results.md, "Supervised warm start").
+    whole run a few minutes (its timings and results: docs/results.md, "SmolLM2 on a GPU").
 
     Why each value: the paper's batch (8 groups x 16 episodes of 5 turns) and StarPO-S (a critic,
     the filter keeping a quarter of the groups, decoupled clipping); thinking off and short
     replies, as the solver's demonstrations are answers alone (an untrained SmolLM2 writes no
-    valid action, so RL needs the warm start); SFT on thousands of demonstrations (the tiny
-    model needed ~1,000 batches to read the grid; 2 CPU cores managed 160, which taught the
-    format only); learning rates of the cpu variant (10x the reference's full-model ones, so
-    that 100 steps move the policy); the log-prob head in chunks (SmolLM2's 49k vocabulary);
-    256 held-out levels, as the paper. One decode window (`rollout.decode_windows`): each
-    window is one more decode loop to compile, and the switch between them holds a second
-    copy of the cache, while on a GPU a decode step is bound by its kernel launches, not by
-    the cache it reads (docs/results.md: 2.3 ms a step against a 0.48 ms bandwidth bound at
-    Qwen2.5-0.5B's shape), which is all that windows save. Measured on a 2-core CPU
-    (`python -m benchmarks.train_step --config=configs/frozenlake.py:gpu`, Zen 5 EPYC): the
-    rollout compiled in 12.9 s with one window against 30.0 s with four, and played in 171 s
-    against 159 s; the rollout and validation plan 7.2 GB instead of 10.2 on a GPU (the
-    update's 9.5 GB is then the run's peak). Not yet timed on a GPU.
+    valid action, so RL needs the warm start); SFT on thousands of demonstrations (a small model
+    needs ~1,000 batches to read the grid); learning rates of the cpu variant (10x the
+    reference's full-model ones, so that 100 steps move the policy); the log-prob head in chunks
+    (SmolLM2's 49k vocabulary); 256 held-out levels, as the paper. One decode window
+    (`rollout.decode_windows`): each window is one more decode loop to compile, while on a GPU a
+    decode step is bound by its kernel launches, not by the cache it reads, which is all that
+    windows save (docs/results.md).
     """
     c.rollout.update(dict(env_groups=8, group_size=16, max_turn=5, response_length=40,
                           max_context=1024, enable_think=False, batch_size=0, decode_windows=1))

@@ -227,57 +227,62 @@ class EmptyFilterStop:
         self.empty = int(d or 0)  # a checkpoint saved before it kept the count: 0
 
 
-class RewardStdCollapse:
-    """RAGEN-2's reward-variance stop (`RewardStdStop`) over the steps whose filter kept a
-    group, `early_stopped/reward_variance_collapse`."""
+class _Stop:
+    """A monitor around one of RAGEN-2's stop counters (`self.stop`, whose state is its own):
+    where `fires(scalars)`, its `scalar` = 1 and `line(n)` printed, and the run stops."""
 
-    key = "reward_std_stop"
+    scalar = ""
+
+    def observe(self, n, scalars):
+        if not self.fires(scalars):
+            return [], False
+        scalars[self.scalar] = 1.0
+        return [self.line(n)], True
+
+    def state_dict(self):
+        return self.stop.state_dict()
+
+    def load_state_dict(self, d):
+        self.stop.load_state_dict(d)
+
+
+class RewardStdCollapse(_Stop):
+    """RAGEN-2's reward-variance stop (`RewardStdStop`) over the steps whose filter kept a
+    group."""
+
+    key, scalar = "reward_std_stop", "early_stopped/reward_variance_collapse"
 
     def __init__(self, steps: int):
         self.stop = RewardStdStop(steps)
 
-    def observe(self, n, scalars):
-        if (scalars.get("rollout/consecutive_empty_after_filter_steps") or
-                "rollout/in_group_std" not in scalars):
-            return [], False
-        if not self.stop.update(scalars["rollout/in_group_std"]):
-            return [], False
-        scalars["early_stopped/reward_variance_collapse"] = 1.0
+    def fires(self, scalars) -> bool:
+        return (not scalars.get("rollout/consecutive_empty_after_filter_steps")
+                and "rollout/in_group_std" in scalars
+                and self.stop.update(scalars["rollout/in_group_std"]))
+
+    def line(self, n) -> str:
         k = self.stop.steps
-        return [f"warning: step {n}: the in-group reward std stayed below a tenth of its first "
+        return (f"warning: step {n}: the in-group reward std stayed below a tenth of its first "
                 f"{k} steps' mean ({self.stop.base:.4g}) {k} steps in a row "
-                f"(trainer.reward_std_stop_steps={k}): stopping"], True
-
-    def state_dict(self):
-        return self.stop.state_dict()
-
-    def load_state_dict(self, d):
-        self.stop.load_state_dict(d)
+                f"(trainer.reward_std_stop_steps={k}): stopping")
 
 
-class LowValidationSuccess:
-    """RAGEN-2's low-validation-success stop (`LowSuccessStop`) on the steps that validated,
-    `early_stopped/low_validation_success`."""
+class LowValidationSuccess(_Stop):
+    """RAGEN-2's low-validation-success stop (`LowSuccessStop`) on the steps that validated."""
 
-    key = "low_success_stop"
+    key, scalar = "low_success_stop", "early_stopped/low_validation_success"
 
     def __init__(self, validations: int):
         self.stop = LowSuccessStop(validations)
 
-    def observe(self, n, scalars):
-        if not any(k.startswith("val/") for k in scalars) or not self.stop.update(scalars):
-            return [], False
-        scalars["early_stopped/low_validation_success"] = 1.0
+    def fires(self, scalars) -> bool:
+        return any(k.startswith("val/") for k in scalars) and bool(self.stop.update(scalars))
+
+    def line(self, n) -> str:
         k = self.stop.validations
-        return [f"warning: step {n}: validation success below 1% {k} validations in a row on "
+        return (f"warning: step {n}: validation success below 1% {k} validations in a row on "
                 f"{', '.join(self.stop.stopping())} "
-                f"(trainer.low_success_stop_validations={k}): stopping"], True
-
-    def state_dict(self):
-        return self.stop.state_dict()
-
-    def load_state_dict(self, d):
-        self.stop.load_state_dict(d)
+                f"(trainer.low_success_stop_validations={k}): stopping")
 
 
 def monitors(trainer, group_size: int) -> list[Monitor]:

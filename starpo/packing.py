@@ -1,8 +1,8 @@
 """Where the update puts multi-turn rows when it packs several into one sequence of the
 batch's length (`algorithm.pack_rows`): the placement (`row_plan`, first fit in row order), the
 moves between rows and sequences (`pack`, `unpack`, `packed_tokens`) and the static choices
-around them. Layout alone: the forwards that run on packed sequences are in starpo/update.py
-(`packed_forward`, `pack_rows`), each token at its row's own rotary position and seeing its
+around them. Layout alone: the forwards that run on packed sequences are in
+starpo/update/packed.py (`packed_forward`, `pack_rows`), each token at its row's own rotary position and seeing its
 own row alone, which gives every row its own numbers (tests/test_update.py)."""
 
 from __future__ import annotations

@@ -36,17 +36,18 @@ def ref_gae(rewards, values, mask, gamma, lam):
     return adv, np.where(mask, adv + values, 0.0)
 
 
-def ref_bi_level(rewards, values, mask, turn_end, gamma, lam, high_gamma):
-    """Turn-level GAE over explicit turn ends, then token-level GAE inside each turn."""
+def ref_two_level_gae(rewards, values, mask, ends, gamma, lam, high_gamma):
+    """Turn-level GAE over each row's turn ends (`ends[b]`, positions in order), then
+    token-level GAE over the model's tokens, each end's target its turn-level return (the last
+    model token, where it is not an end, bootstraps from 0)."""
     adv = np.zeros_like(rewards)
     ret = np.zeros_like(rewards)
     for b in range(rewards.shape[0]):
-        ends = [int(e) for e in turn_end[b] if e >= 0]
         target = {}
         last = 0.0
-        for i in reversed(range(len(ends))):
-            e = ends[i]
-            next_value = values[b, ends[i + 1]] if i + 1 < len(ends) else 0.0
+        for i in reversed(range(len(ends[b]))):
+            e = ends[b][i]
+            next_value = values[b, ends[b][i + 1]] if i + 1 < len(ends[b]) else 0.0
             delta = rewards[b, e] + high_gamma * next_value - values[b, e]
             last = delta + high_gamma * lam * last
             target[e] = last + values[b, e]
@@ -57,11 +58,17 @@ def ref_bi_level(rewards, values, mask, turn_end, gamma, lam, high_gamma):
             if t in target:
                 last = target[t] - values[b, t]
             else:
-                last = rewards[b, t] + gamma * values[b, pos[i + 1]] - values[b, t] \
-                    + gamma * lam * last
+                nxt = values[b, pos[i + 1]] if i + 1 < len(pos) else 0.0
+                last = rewards[b, t] + gamma * nxt - values[b, t] + gamma * lam * last
             adv[b, t] = last
             ret[b, t] = last + values[b, t]
     return adv, ret
+
+
+def ref_bi_level(rewards, values, mask, turn_end, gamma, lam, high_gamma):
+    """Turn-level GAE over explicit turn ends, then token-level GAE inside each turn."""
+    ends = [[int(e) for e in row if e >= 0] for row in turn_end]
+    return ref_two_level_gae(rewards, values, mask, ends, gamma, lam, high_gamma)
 
 
 def ref_group_stats(x, keys):
@@ -152,31 +159,13 @@ def test_bi_level_gae_with_zero_reward_turns():
 
 
 def ragen_bi_level(rewards, values, mask, gamma, lam, high_gamma):
-    """RAGEN's bi-level GAE as its trainer computes it (ragen/trainer/core_algos.py at 20daedc),
-    a loop per row: the high level over the tokens whose reward is not 0, the low level over the
-    model's tokens, each such token's target its high-level return (before whitening). Where
-    RAGEN's raises IndexError (a last model token whose reward is 0), it bootstraps from 0."""
-    adv = np.zeros_like(rewards)
-    for b in range(rewards.shape[0]):
-        ends = list(np.nonzero(rewards[b])[0])
-        target = rewards[b].copy()
-        last = 0.0
-        for i in reversed(range(len(ends))):
-            nxt = values[b, ends[i + 1]] if i + 1 < len(ends) else 0.0
-            last = rewards[b, ends[i]] + high_gamma * nxt - values[b, ends[i]] + (
-                high_gamma * lam * last)
-            target[ends[i]] = last + values[b, ends[i]]
-        valid = list(np.nonzero(mask[b])[0])
-        last = 0.0
-        for i in reversed(range(len(valid))):
-            t = valid[i]
-            if t in ends:
-                last = target[t] - values[b, t]
-            else:
-                nxt = values[b, valid[i + 1]] if i + 1 < len(valid) else 0.0
-                last = target[t] + gamma * nxt - values[b, t] + gamma * lam * last
-            adv[b, t] = last
-    return adv
+    """RAGEN's bi-level GAE as its trainer computes it (ragen/trainer/core_algos.py at 20daedc):
+    the high level over the tokens whose reward is not 0 (wherever they are), the low level over
+    the model's tokens, each such token's target its high-level return (before whitening).
+    Where RAGEN's raises IndexError (a last model token whose reward is 0), it bootstraps
+    from 0."""
+    ends = [[int(t) for t in np.nonzero(row)[0]] for row in rewards]
+    return ref_two_level_gae(rewards, values, mask, ends, gamma, lam, high_gamma)[0]
 
 
 def test_bi_level_gae_with_rewards_as_turns_is_ragens():
