@@ -166,7 +166,7 @@ def test_a_prompt_appended_to_a_cache_plans_within_a_quarter_of_xla(shape, monke
     cache = on_cpu(jax.eval_shape(lambda: M.init_cache(cfg, B, S)))
 
     def compiled(block):
-        monkeypatch.setattr(M, "CACHE_QUERY_BLOCK", block)
+        monkeypatch.setattr(M.attend, "CACHE_QUERY_BLOCK", block)
         append = jax.jit(lambda p, t, v, c: M.hidden_states(p, cfg, t, v, c),
                          donate_argnums=3)
         return append.lower(on_cpu(M.abstract_params(cfg)), tokens, valid, cache).compile()

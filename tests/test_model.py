@@ -309,7 +309,7 @@ def test_cache_attention_in_query_blocks_equals_all_queries_at_once(tiny, monkey
     turns = (M.PREFIX_TURN, 0, 1)
 
     def run(block):
-        monkeypatch.setattr(M, "CACHE_QUERY_BLOCK", block)
+        monkeypatch.setattr(M.attend, "CACHE_QUERY_BLOCK", block)
 
         @jax.jit  # a new function for each block size: the block is read when it traces
         def append(p, tokens, v, cache, turn):

@@ -133,11 +133,13 @@ def test_a_relative_workdir_saves_checkpoints(tmp_path, monkeypatch):
 
 
 def _starpo_imports() -> dict:
-    """module -> the starpo modules its top-level statements import (`starpo/update/` as one)."""
+    """module -> the starpo modules its top-level statements import (a subpackage such as
+    `starpo/update/` as one)."""
     import ast
 
     out = {}
-    for path in sorted((ROOT / "starpo").glob("*.py")) + [ROOT / "starpo" / "update"]:
+    packages = sorted(p.parent for p in (ROOT / "starpo").glob("*/__init__.py"))
+    for path in sorted((ROOT / "starpo").glob("*.py")) + packages:
         name = path.stem if path.suffix else path.name
         if name == "__init__":
             continue
