@@ -14,7 +14,7 @@ answer is `Your answer get {reward} points.` with the reward printed as Python p
 
 Actions are text: `step` takes the answer's bytes, int32[L] padded with -1 (the rollout hands
 an env with `text_actions = True` the parsed answer piece itself instead of an action id; see
-starpo/rollout.py). The evaluator runs on device over the bytes (one `lax.scan`) with exact
+starpo/rollout/). The evaluator runs on device over the bytes (one `lax.scan`) with exact
 rational arithmetic in int32; it accepts the integer-literal subset of Python's expressions:
 `+ - * /`, unary `+`/`-`, parentheses, spaces, tabs and form feeds (newlines inside
 parentheses). Python syntax outside it (`**`, `//`, `%`, float literals, comparisons, bitwise

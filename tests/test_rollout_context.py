@@ -53,7 +53,7 @@ def test_the_buffers_hold_what_an_episode_can_reach_and_nothing_else(tiny, monke
     for a, b in zip(jax.tree_util.tree_leaves((traj, metrics)), jax.tree_util.tree_leaves(again)):
         np.testing.assert_array_equal(a, b)
     # the old buffers, max_context long: the same episodes, padding beyond T
-    monkeypatch.setattr(rollout, "context_length", lambda setup: setup.spec.max_context)
+    monkeypatch.setattr(rollout.models, "context_length", lambda setup: setup.spec.max_context)
     r3, (old, old_metrics) = _run(tiny, big)
     assert r3.context == big and old.tokens.shape[1] == big
     for name in ("tokens", "loss_mask", "turn_index", "sample_logprobs"):

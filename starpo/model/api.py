@@ -9,11 +9,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from starpo.sharding import tree_shardings
 from starpo.model.decoder import Block, Transformer
 from starpo.model.kvcache import KVCache, TurnWindow
 from starpo.model.masks import _advance, _layer_inputs
 from starpo.model.spec import ModelConfig, REMAT_POLICIES
+from starpo.sharding import tree_shardings
 
 
 # ----------------------------------------------------------------------------- functional API

@@ -8,12 +8,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from starpo.sharding import constrain
 from starpo.model.attend import Attention
 from starpo.model.dense import RMSNorm, _dense, _norm, _partitioned, _projection
 from starpo.model.masks import _layer_inputs
 from starpo.model.ops import _dot_f32_xla, _matmul, kernels
 from starpo.model.spec import ACTIVATIONS, ACTIVATION_AXES, ModelConfig
+from starpo.sharding import constrain
 
 
 class MLP(nn.Module):

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from starpo.sharding import constrain
 from starpo.model.spec import ModelConfig
+from starpo.sharding import constrain
 
 
 @struct.dataclass

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from starpo.precision import backend as target_backend
 from starpo.model.spec import ModelConfig, _MASK_VALUE
+from starpo.precision import backend as target_backend
 
 
 # ----------------------------------------------------------------------------- mixed precision
