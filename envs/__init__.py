@@ -12,8 +12,9 @@ hashable dataclass: close over it or pass it as a jit static argument). Every en
 with the reference's 1-based action ids (anything else is a no-op that counts as ineffective;
 Countdown's and Sudoku's actions are text: `text_actions = True`, `step` takes the answer's bytes),
 and plain-Python metadata for the text layer: `name`, `action_names`, `instruction`, `legend`,
-`symbols` (render code -> text; grid envs also have `render_codes(state)`). Batch with
-`jax.vmap` outside the env.
+`symbols` (render code -> text; grid envs also have `render_codes(state)`), `budgets` (the
+reference's actions per turn and per episode) and `text(per_turn, per_traj)`, its states as
+pieces for the dialogue (`envs.text.EnvText`). Batch with `jax.vmap` outside the env.
 """
 
 from envs import bandit, countdown, frozenlake, game2048, sokoban, solvers, sudoku

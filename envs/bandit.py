@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text as env_text
+
 # The reference's initial text with the arm names in action order (names a = action 1, b = 2).
 PROMPT_TEMPLATE = (
     "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to"
@@ -75,6 +77,13 @@ class Bandit:
         Unlike the grid games, which action id a name means depends on the state: use
         `name_to_action(state, index)`."""
         return (self.low_arm, self.high_arm)
+
+    # the reference's budgets: one action a turn, one an episode
+    budgets = (1, 1)
+
+    def text(self, max_actions_per_turn: int, max_actions_per_traj: int):
+        """How its states read, as pieces (`envs.text.EnvText`), with these budgets."""
+        return _text(self, max_actions_per_turn, max_actions_per_traj)
 
     def reset(self, key):
         """Shuffle the arm order (p = 0.5 each way). -> BanditState."""
@@ -164,3 +173,25 @@ VARIANTS = {
     "Bandit": (Bandit, dict(low_arm="Phoenix", high_arm="Dragon")),
     "BanditTest": (Bandit, dict(low_arm="Trader", high_arm="Librarian")),
 }
+
+
+# ----------------------------------------------------------------------------- text
+def _text(env, max_actions_per_turn, max_actions_per_traj) -> env_text.EnvText:
+    low, high = env.low_arm, env.high_arm
+    pieces = (
+        PROMPT_TEMPLATE.format(name_a=low, name_b=high),   # 0: low arm is action 1
+        PROMPT_TEMPLATE.format(name_a=high, name_b=low),   # 1: high arm is action 1
+        RESULT_TEMPLATE.format(arm=low, reward=LOW_RISK_REWARD),
+        RESULT_TEMPLATE.format(arm=high, reward=HIGH_RISK_WIN),
+        RESULT_TEMPLATE.format(arm=high, reward=HIGH_RISK_LOSS),
+    )
+
+    def render(state):
+        pulled_high = (state.pulled == 1) == state.high_first
+        after = jnp.where(pulled_high, jnp.where(state.reward > 0.5, 3, 4), 2)
+        before = state.high_first.astype(jnp.int32)
+        return jnp.where(state.pulled > 0, after, before).astype(jnp.int32)[None]
+
+    prefix = env_text.prefix_text(env, max_actions_per_traj)
+    return env_text.EnvText(pieces, 1, render, prefix, tuple(env.action_names),
+                            max_actions_per_turn, max_actions_per_traj)

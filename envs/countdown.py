@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text as env_text
 from envs import text_actions
 from envs.text_actions import PAD, answer_bytes  # noqa: F401 (the env's own names)
 
@@ -117,6 +118,13 @@ class Countdown(text_actions.TextActionEnv):
         return self.max_count * self.max_number
 
     # ----------------------------------------------------------- dynamics
+    # the reference's budgets: one answer a turn, one an episode
+    budgets = (1, 1)
+
+    def text(self, max_actions_per_turn: int, max_actions_per_traj: int):
+        """How its states read, as pieces (`envs.text.EnvText`), with these budgets."""
+        return _text(self, max_actions_per_turn, max_actions_per_traj)
+
     def reset(self, key):
         """A level: numbers, and a target reachable as their signed sum. -> CountdownState."""
         k_count, k_nums, k_signs = jax.random.split(key, 3)
@@ -395,3 +403,40 @@ def solve(nums, target) -> str | None:
 # envs.make(name): RAGEN-2's Countdown, 3 or 4 numbers (its dataset is Countdown-Tasks-3to4),
 # one answer
 VARIANTS = {"Countdown": (Countdown, dict(min_count=3, max_count=4, min_number=1, max_number=99))}
+
+
+# ----------------------------------------------------------------------------- text
+def _text(env, max_actions_per_turn, max_actions_per_traj) -> env_text.EnvText:
+    """`Target: T, nums: [a, b, c]` as digit pieces and labels; after the answer one piece,
+    `Your answer get R points.` for each reward the env pays."""
+    digits = tuple(str(d) for d in range(10))
+    TARGET, NUMS, SEP, CLOSE, RESULT = 10, 11, 12, 13, 14
+    rewards = (env.score, env.format_score, 0)
+    pieces = digits + ("Target: ", ", nums: [", ", ", "]") + tuple(
+        RESULT_TEMPLATE.format(reward=py_number(r)) for r in rewards)
+    n = env.max_count
+    td, nd = len(str(env.max_target)), len(str(env.max_number))
+    width = 1 + td + 1 + n * nd + (n - 1) + 1
+
+    def number(v, k):  # piece ids [k]: v's digits right-aligned, -1 before
+        pw = env_text.powers_of_ten(k)
+        keep = (v >= pw) | (jnp.arange(k) == k - 1)
+        return jnp.where(keep, (v // pw) % 10, -1)
+
+    def render(state):
+        used = jnp.arange(n) < state.count
+        parts = [jnp.array([TARGET]), number(state.target, td), jnp.array([NUMS])]
+        for i in range(n):
+            if i:
+                parts.append(jnp.where(used[i], SEP, -1)[None])
+            parts.append(jnp.where(used[i], number(state.nums[i], nd), -1))
+        before = jnp.concatenate(parts + [jnp.array([CLOSE])])
+        which = jnp.where(state.reward == jnp.float32(env.score), 0,
+                          jnp.where(state.reward == jnp.float32(env.format_score), 1, 2))
+        after = jnp.full((width,), -1).at[0].set(RESULT + which)
+        return jnp.where(state.answered, after, before).astype(jnp.int32)
+
+    long_pieces = (TARGET, NUMS, CLOSE, RESULT, RESULT + 1, RESULT + 2)
+    prefix = env_text.prefix_text(env, max_actions_per_traj)
+    return env_text.EnvText(pieces, width, render, prefix, (), max_actions_per_turn,
+                            max_actions_per_traj, ((long_pieces, 3),))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text as env_text
 from envs import bitrows, hashrng
 
 # Map cell codes held in the state.
@@ -112,6 +113,13 @@ class FrozenLake:
             raise ValueError(f"num_candidates must be an int >= 1, got {self.num_candidates!r}")
 
     # ---------------------------------------------------------------- reset
+    # the reference's budgets for the grid games: 5 actions a turn, 10 an episode
+    budgets = (5, 10)
+
+    def text(self, max_actions_per_turn: int, max_actions_per_traj: int):
+        """How its states read, as pieces (`envs.text.EnvText`), with these budgets."""
+        return env_text.grid_text(self, max_actions_per_turn, max_actions_per_traj)
+
     def reset(self, key):
         """Draw a random valid map and put the player on its start cell. -> FrozenLakeState."""
         n, m = self.size, self.num_candidates

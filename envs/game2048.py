@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text as env_text
+
 ACTION_NAMES = ("Up", "Right", "Down", "Left")
 # The reference's env_instruction (config/envs.yaml, tag game_2048; a YAML block, so it ends
 # with a newline).
@@ -161,6 +163,10 @@ class Game2048:
         return len(str(self.size * self.size * e * 2 ** (e + 1)))
 
     # ----------------------------------------------------------- dynamics
+    def text(self, max_actions_per_turn: int, max_actions_per_traj: int):
+        """How its states read, as pieces (`envs.text.EnvText`), with these budgets."""
+        return _text(self, max_actions_per_turn, max_actions_per_traj)
+
     def reset(self, key):
         """An empty board with two spawned tiles, score 0. -> Game2048State."""
         k1, k2 = jax.random.split(key)
@@ -309,3 +315,49 @@ def reference_move(grid, direction):
 # envs.make(name): RAGEN-2's 2048 (tag game_2048), a 4x4 board, the log reward
 VARIANTS = {"Game2048": (Game2048, dict(size=4, two_prob=0.9, use_log_reward=True,
                                         invalid_act_score=-0.1))}
+
+
+# ----------------------------------------------------------------------------- text
+def _text(env, max_actions_per_turn, max_actions_per_traj) -> env_text.EnvText:
+    """The reference's `render()`: a header, `Row i: [a, b, c, d]` lines, the valid actions
+    (`0(Up), 2(Down)` or `None`), the goal line, the score and the question, as pieces: each
+    row's frame, a piece per tile value, per valid action, and per score digit."""
+    n, E, D = env.size, env.max_exponent, env.score_digits
+    names = ACTION_NAMES
+    pieces = (("Current 2048 Grid:\nRow 1: [",)
+              + tuple(f"]\nRow {i}: [" for i in range(2, n + 1))
+              + (", ", "]\n\nValid Actions: ", "None",
+                 ".\n" + GOAL_LINE + "\nCurrent Score: ", "\nWhat is your next move?")
+              + tuple(str(tile(e)) for e in range(E + 1))
+              + tuple(f"{a}({names[a]})" for a in range(4))
+              + tuple(str(d) for d in range(10)))
+    SEP, VALID, NONE, MID, END = n, n + 1, n + 2, n + 3, n + 4  # row frames are 0..n-1
+    TILE = n + 5
+    ACT = TILE + E + 1
+    DIGIT = ACT + 4
+    width = n + n * (2 * n - 1) + 1 + 7 + 1 + D + 1
+
+    def render(state):
+        parts = []
+        for i in range(n):
+            cells = TILE + state.grid[i].astype(jnp.int32)  # [n]
+            row = jnp.stack([cells, jnp.full((n,), SEP)], axis=1).reshape(-1)[:-1]
+            parts += [jnp.array([i]), row]
+        parts.append(jnp.array([VALID]))
+        valid = env.valid_actions(state)  # [4]
+        # the valid actions in order, ", " between them, padded after
+        count = jnp.sum(valid)
+        acts = ACT + jnp.argsort(~valid, stable=True)
+        slots = jnp.stack([acts, jnp.full((4,), SEP)], axis=1).reshape(-1)[:-1]  # [7]
+        slots = jnp.where(jnp.arange(7) < 2 * count - 1, slots, -1)
+        slots = jnp.where(count == 0, jnp.full((7,), -1).at[0].set(NONE), slots)
+        parts += [slots, jnp.array([MID])]
+        pw = env_text.powers_of_ten(D)
+        keep = (state.score >= pw) | (jnp.arange(D) == D - 1)
+        parts += [jnp.where(keep, DIGIT + (state.score // pw) % 10, -1), jnp.array([END])]
+        return jnp.concatenate(parts).astype(jnp.int32)
+
+    frames = tuple(range(n)) + (VALID, NONE, MID, END)
+    prefix = env_text.prefix_text(env, max_actions_per_traj)
+    return env_text.EnvText(pieces, width, render, prefix, tuple(env.action_names),
+                            max_actions_per_turn, max_actions_per_traj, ((frames, n + 3),))

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text as env_text
 from envs import bitrows, hashrng
 
 # Cell codes of the fixed layer held in the state (the reference's room_fixed).
@@ -284,6 +285,13 @@ class Sokoban:
         return codes.at[r, c].set(jnp.where(room[r, c] == TARGET, PLAYER_ON_TARGET, PLAYER))
 
     # ---------------------------------------------------------------- reset
+    # the reference's budgets for the grid games: 5 actions a turn, 10 an episode
+    budgets = (5, 10)
+
+    def text(self, max_actions_per_turn: int, max_actions_per_traj: int):
+        """How its states read, as pieces (`envs.text.EnvText`), with these budgets."""
+        return env_text.grid_text(self, max_actions_per_turn, max_actions_per_traj)
+
     def reset(self, key):
         """Generate a level from `key` alone (see the module doc). -> SokobanState."""
         h, w, nb = self.dim_x, self.dim_y, self.num_boxes

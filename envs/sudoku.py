@@ -24,7 +24,7 @@ the generated solution's digit, else 0.5; +10 when the grid is then complete and
 step counts; done when solved or when a valid placement reaches `max_steps` steps (81).
 
 The text is the reference's `with_feedback` render (`to_text` on host; pieces on device in
-envs/text.py): the banner, the grid (`[N]` initial, ` N ` placed, ` . ` empty), the legend,
+`_text` below): the banner, the grid (`[N]` initial, ` N ` placed, ` . ` empty), the legend,
 the last action's feedback, the valid numbers of each empty cell once at most 10 are left,
 `Progress:` and `Steps:`. Deviations: an unparsable answer is echoed as its first ECHO bytes,
 non-ASCII bytes as `?`; numbers of more than 9 digits saturate at 999999999; `\\d` and `\\s`
@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from envs import text as env_text
 from envs import text_actions
 from envs.text_actions import PAD, answer_bytes  # noqa: F401 (the env's own names)
 
@@ -520,6 +521,10 @@ class Sudoku(text_actions.TextActionEnv):
         return (2, self.max_actions)
 
     # ----------------------------------------------------------- dynamics
+    def text(self, max_actions_per_turn: int, max_actions_per_traj: int):
+        """How its states read, as pieces (`envs.text.EnvText`), with these budgets."""
+        return _text(self, max_actions_per_turn, max_actions_per_traj)
+
     def reset(self, key):
         puzzle, solution = generate(key, self.blanks, self.size)
         z = jnp.zeros((), jnp.int32)
@@ -716,3 +721,156 @@ VARIANTS = {
     "Sudoku4x4": (Sudoku, dict(size=4, blanks=blank_counts(4)["easy"], max_steps=16,
                                max_actions=10)),
 }
+
+
+# ----------------------------------------------------------------------------- text
+def _text(env, max_actions_per_turn, max_actions_per_traj) -> env_text.EnvText:
+    """The reference's `with_feedback` render as pieces: the banner, each cell as one piece
+    (`[N]`, ` N `, ` . `, the row's last cell right-stripped), `| ` and the band lines, the
+    legend, the last action's feedback (its frames, digit pieces, an unparsable answer's bytes
+    one piece each), the valid numbers of the empty cells once at most 10 are left, and the
+    progress and step lines."""
+    S, BOX = env.size, box_of(env.size)
+    names, pieces = {}, []
+
+    def add(key, text):
+        names[key] = len(pieces)
+        pieces.append(text)
+        return names[key]
+
+    def cell_text(code, last):  # code 0 empty, 1..S placed, S+1..2S initial
+        t = " . " if code == 0 else (f"[{code - S}]" if code > S else f" {code} ")
+        return t.rstrip() if last else t
+
+    CELL = len(pieces)
+    for last in (False, True):
+        for code in range(2 * S + 1):
+            add(("cell", last, code), cell_text(code, last))
+    DIGIT = len(pieces)
+    for d in range(10):
+        add(("digit", d), str(d))
+    BYTE = len(pieces)
+    for b in range(128):
+        add(("byte", b), chr(b))
+    QMARK = names[("byte", ord("?"))]
+    bad = "\n\n❌ Invalid action format: "
+    frames = dict(
+        head=f"{BANNER}\nSUDOKU PUZZLE\n{BANNER}\n", bar="| ", nl="\n",
+        dash="\n" + "-" * (S * 3 + BOX - 1) + "\n", legend="\n\n" + LEGEND,
+        fmt=bad + "Could not parse action: '", fmt_end="'. " + EXPECTED,
+        row_range=bad + "Row ", col_range=bad + "Column ", num_range=bad + "Number ",
+        range_end=f" is out of range (1-{S})", initial="\n\n❌ Cannot modify initial cell at (",
+        comma=",", close=")", conflict="\n\n❌ Invalid placement: ", with_=" conflicts with ",
+        row_w="row ", col_w="column ", col_w2=", column ", box_w="box (", box_w2=", box (",
+        valid_for="\n   Valid numbers for (", list_open="): [", sep=", ", list_close="]",
+        correct="\n\n✓ Correct! Placed ", placed="\n\n⚠ Placed ", at=" at (",
+        not_optimal=") - Valid but not optimal", solved="\n🎉 Congratulations! Puzzle solved!",
+        valid_head="\n\n💡 VALID NUMBERS FOR EMPTY CELLS:", line="\n  - (",
+        progress="\n\nProgress: ", of=f"/{S * S} cells filled (", initial_w=" initial, ",
+        placed_w=" placed)\nSteps: ", max_steps=f"/{env.max_steps}")
+    P = {k: add(k, v) for k, v in frames.items()}
+    long_ids = {i for i, t in enumerate(pieces) if len(t) > 8}
+    # the grid's frame: banner, bars and line breaks, with a slot (-1) for each cell's piece
+    grid_frame, cell_slots = [P["head"]], []
+    for i in range(S):
+        if i:
+            grid_frame.append(P["dash"] if i % BOX == 0 else P["nl"])
+        for j in range(S):
+            if j and j % BOX == 0:
+                grid_frame.append(P["bar"])
+            cell_slots.append(len(grid_frame))
+            grid_frame.append(-1)
+    grid_frame, cell_slots = np.asarray(grid_frame, np.int32), np.asarray(cell_slots)
+    SD = 5  # digits of the step count (saturates past 99999)
+
+    def num(v, k):  # piece ids [k]: v's digits right-aligned, -1 before
+        v = jnp.clip(v, 0, 10 ** k - 1)
+        pw = env_text.powers_of_ten(k)
+        keep = (v >= pw) | (jnp.arange(k) == k - 1)
+        return jnp.where(keep, DIGIT + (v // pw) % 10, -1)
+
+    def d(v):
+        return jnp.reshape(DIGIT + jnp.clip(v, 0, 9), (1,))
+
+    def ids(*items):
+        return jnp.concatenate([jnp.reshape(jnp.asarray(i, jnp.int32), (-1,)) for i in items])
+
+    def when(cond, arr):
+        return jnp.where(cond, arr, -1)
+
+    def number_list(valid):  # bool[9] -> ids [18]: "1, 5, 9"
+        before = jnp.cumsum(valid) - valid > 0
+        sep = jnp.where(valid & before, P["sep"], -1)
+        digit = jnp.where(valid, DIGIT + jnp.arange(1, S + 1), -1)
+        return jnp.stack([sep, digit], axis=1).reshape(-1)
+
+    def feedback(state):
+        fb, n, r, c = state.fb, state.fb_num, state.fb_row, state.fb_col
+        r0, c0 = jnp.clip(r - 1, 0, S - 1), jnp.clip(c - 1, 0, S - 1)
+        echo = jnp.where(state.echo < 0, -1, jnp.where(state.echo < 128, BYTE + state.echo, QMARK))
+        cr, cc, cb = conflicts(state.grid, r0, c0, n)
+        valid = valid_numbers(state.grid, r0, c0)
+        range_v = jnp.where(fb == FB_ROW, r, jnp.where(fb == FB_COL, c, n))
+        range_p = jnp.where(fb == FB_ROW, P["row_range"],
+                            jnp.where(fb == FB_COL, P["col_range"], P["num_range"]))
+        solved = when(state.solved, P["solved"])
+        where = (d(n), P["at"], d(r), P["comma"], d(c))
+        alts = {
+            FB_FORMAT: ids(P["fmt"], echo, P["fmt_end"]),
+            FB_ROW: ids(range_p, num(range_v, 9), P["range_end"]),
+            FB_INITIAL: ids(P["initial"], d(r), P["comma"], d(c), P["close"]),
+            FB_CONFLICT: ids(
+                P["conflict"], d(n), P["with_"], when(cr, ids(P["row_w"], d(r))),
+                when(cc, ids(jnp.where(cr, P["col_w2"], P["col_w"]), d(c))),
+                when(cb, ids(jnp.where(cr | cc, P["box_w2"], P["box_w"]), d(r0 // BOX + 1),
+                             P["comma"], d(c0 // BOX + 1), P["close"])),
+                when(valid.any(), ids(P["valid_for"], d(r), P["comma"], d(c), P["list_open"],
+                                      number_list(valid), P["list_close"]))),
+            FB_CORRECT: ids(P["correct"], *where, P["close"], solved),
+            FB_VALID: ids(P["placed"], *where, P["not_optimal"], solved),
+        }
+        width = max(a.shape[0] for a in alts.values())
+        out = jnp.full((width,), -1, jnp.int32)
+        for kind, alt in alts.items():
+            pad = jnp.pad(alt, (0, width - alt.shape[0]), constant_values=-1)
+            hit = fb == kind
+            if kind == FB_ROW:  # the three out-of-range messages share a layout
+                hit |= (fb == FB_COL) | (fb == FB_NUM)
+            out = jnp.where(hit, pad, out)
+        return out
+
+    def render(state):
+        grid, puzzle = state.grid, state.puzzle
+        code = jnp.where(puzzle != 0, grid + S, grid)  # [9, 9]
+        # the grid's pieces at once: the fixed frame (banner, bars, line breaks) with the 81
+        # cells' pieces written into their slots
+        cells = CELL + (2 * S + 1) * (jnp.arange(S) == S - 1) + code
+        parts = [jnp.asarray(grid_frame).at[cell_slots].set(cells.reshape(-1)),
+                 ids(P["legend"]), feedback(state)]
+        empty = grid == 0
+        E = jnp.sum(empty)
+        k = jnp.arange(10)
+        order = jnp.argsort(~empty.reshape(-1), stable=True)[:10]
+        rr, cc = order // S, order % S
+        valid = jax.vmap(valid_numbers, in_axes=(None, 0, 0))(grid, rr, cc)
+        show = (k < E) & valid.any(axis=1)
+        lines = jax.vmap(lambda r, c, v: ids(P["line"], d(r + 1), P["comma"], d(c + 1),
+                                             P["list_open"], number_list(v),
+                                             P["list_close"]))(rr, cc, valid)
+        lines = jnp.where(show[:, None], lines, -1).reshape(-1)
+        parts.append(when((E >= 1) & (E <= 10), ids(P["valid_head"], lines)))
+        filled = jnp.sum(grid != 0)
+        initial = jnp.sum(puzzle != 0)
+        parts += [ids(P["progress"]), num(filled, 2), ids(P["of"]), num(initial, 2),
+                  ids(P["initial_w"]), num(filled - initial, 2), ids(P["placed_w"]),
+                  num(state.steps, SD), ids(P["max_steps"])]
+        return jnp.concatenate(parts).astype(jnp.int32)
+
+    shape = jax.eval_shape(render, jax.eval_shape(env.reset, jax.random.key(0)))
+    # slots that can show a piece longer than 8 characters at once: the banner, the two band
+    # lines, the legend, the feedback's frames (at most 4: a conflict in a row and a column
+    # with its valid numbers), the valid-numbers header and the progress frames (4)
+    prefix = env_text.prefix_text(env, max_actions_per_traj)
+    return env_text.EnvText(tuple(pieces), shape.shape[0], render, prefix, (),
+                            max_actions_per_turn, max_actions_per_traj,
+                            ((tuple(sorted(long_ids)), 13),))

@@ -184,3 +184,22 @@ def test_the_layout_page_lists_every_module_and_its_floor():
     assert sorted(documented) == sorted(floors.items())
     for name in imports:
         assert f"\nstarpo/{name}.py " in page or f"\nstarpo/{name}/ " in page, name
+
+
+def test_an_env_is_its_own_file():
+    """Every registered env states its own text and budgets (`text`, `budgets`); the shared text
+    layer (envs/text.py) names no env, so a new env needs no edit there."""
+    import ast
+
+    import envs
+
+    tree = ast.parse((ROOT / "envs" / "text.py").read_text(encoding="utf-8"))
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names] + [n.module for n in ast.walk(tree)
+                                      if isinstance(n, ast.ImportFrom) and n.module]
+    assert not any(name.split(".")[0] == "envs" or name in envs.NAMES for name in imported)
+    for name in envs.NAMES:
+        env = envs.make(name)
+        per_turn, per_traj = env.budgets
+        text = env.text(per_turn, per_traj)
+        assert (text.max_actions_per_turn, text.max_actions_per_traj) == (per_turn, per_traj)
