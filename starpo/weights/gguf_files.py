@@ -10,7 +10,7 @@ import numpy as np
 from starpo import families
 from starpo.model import ModelConfig
 from starpo.tokenizer import Tokenizer
-from starpo.weights.tensors import LoadError, params_from_tensors
+from starpo.weights.tensors import LoadError, loaded
 
 
 # ----------------------------------------------------------------------------- GGUF files
@@ -124,9 +124,5 @@ def load_gguf(path: str, **overrides):
             x = _unpermute_rows(x, cfg.num_kv_heads)
         return x
 
-    params = params_from_tensors(cfg, get, path, gguf=True)
-    try:
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-    except (KeyError, ValueError) as e:
-        raise LoadError(f"{path}: tokenizer: {e}") from None
-    return cfg, params, tokenizer
+    return loaded(cfg, get, path, True, lambda: Tokenizer.from_gguf_metadata(meta),
+                  (KeyError, ValueError))

@@ -13,7 +13,7 @@ import numpy as np
 from starpo import families
 from starpo.model import ModelConfig
 from starpo.tokenizer import Tokenizer
-from starpo.weights.tensors import LoadError, params_from_tensors, tensors_from_params
+from starpo.weights.tensors import LoadError, loaded, tensors_from_params
 
 
 # ----------------------------------------------------------------------------- HF directories
@@ -155,12 +155,8 @@ def load_hf_dir(directory: str, **overrides) -> tuple[ModelConfig, dict, Tokeniz
         except Exception as e:
             raise LoadError(f"{index[name]}: cannot read tensor {name} ({e})") from None
 
-    params = params_from_tensors(cfg, get, directory, gguf=False)
-    try:
-        tok = Tokenizer.from_hf_dir(directory)
-    except (OSError, ValueError) as e:
-        raise LoadError(f"{directory}: tokenizer: {e}") from None
-    return cfg, params, tok
+    return loaded(cfg, get, directory, False, lambda: Tokenizer.from_hf_dir(directory),
+                  (OSError, ValueError))
 
 
 def hf_config(cfg: ModelConfig, tok: Tokenizer) -> dict:

@@ -161,3 +161,14 @@ def tensors_from_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]
         else:
             out[entry.hf] = from_ours(x, entry, cfg)
     return out
+
+
+def loaded(cfg: ModelConfig, get, source: str, gguf: bool, tokenizer: Callable, errors):
+    """(cfg, params, tokenizer) of a checkpoint: its tensors through the table, then its
+    tokenizer (`tokenizer()`), whose `errors` become a LoadError naming `source`."""
+    params = params_from_tensors(cfg, get, source, gguf=gguf)
+    try:
+        tok = tokenizer()
+    except errors as e:
+        raise LoadError(f"{source}: tokenizer: {e}") from None
+    return cfg, params, tok
