@@ -111,8 +111,11 @@ def table(records) -> str:
                          "| | | | | |")
         for p in r["programs"]:
             est = p["compiler_estimate_s"]
+            xla = f"{p['xla_gib_per_chip']:.2f}"
+            if p.get("xla_refused"):  # XLA compiled nothing: what it said does not fit
+                xla = f"does not fit ({p['xla_refused']})"
             lines.append(f"| {r['row']} ({r['model']}) | {r['topology']} | {p['program']} | "
-                         f"{p['compile_s']:.0f} | {p['xla_gib_per_chip']:.2f} | "
+                         f"{p['compile_s']:.0f} | {xla} | "
                          f"{p['plan_gib_per_chip']:.2f} | {p['hbm_gib']:.0f} | "
                          f"{'none' if est is None else f'{est:.3g}'} |")
     return "\n".join(lines)

@@ -182,6 +182,9 @@ def compile_for_topology(cfgs: dict) -> None:
     print(json.dumps(out))
     if too_big:
         name, r = too_big[0]
+        if r.refused:
+            raise ValueError(f"{name} on {topo.name}: the {r.phase} program does not fit a "
+                             f"chip: XLA refuses it ({r.refused})")
         raise ValueError(f"{name} on {topo.name}: the {r.phase} program needs "
                          f"{r.bytes / aot.GIB:.2f} GiB per chip, over 90% of the chip's "
                          f"{r.hbm_bytes / aot.GIB:.0f} GiB HBM")

@@ -150,14 +150,34 @@ class Compiled:
     optimal_s: float | None  # the TPU cost model's estimate (None where it gives none)
     flops: float | None
     parts: tuple = ()  # ((what, bytes per chip), ...): XLA's memory analysis and the state
+    # XLA's own refusal where the program does not fit at all ("" where it compiled); `bytes`
+    # is then what XLA said the temporaries alone need
+    refused: str = ""
 
     @property
     def fits(self) -> bool:
-        return self.bytes <= FIT_SHARE * self.hbm_bytes
+        return not self.refused and self.bytes <= FIT_SHARE * self.hbm_bytes
 
     @property
     def plan_ratio(self) -> float:
         return self.plan_bytes / self.bytes if self.bytes else float("nan")
+
+
+# XLA's words where a program's buffers cannot fit a chip's HBM at all (it then compiles nothing)
+_OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: .*?required for (.+?) \(([\d.]+)([KMGT])\) "
+                         r"exceeds available HBM \(([\d.]+)([KMGT])\)")
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def out_of_hbm(error: Exception) -> tuple[str, int] | None:
+    """(what XLA says does not fit, the bytes it needs) where compiling failed for want of HBM
+    (XLA's RESOURCE_EXHAUSTED), else None."""
+    m = _OUT_OF_HBM.search(str(error))
+    if m is None:
+        return None
+    what, need, unit, have, have_unit = m.groups()
+    return (f"{what} need {need}{unit}iB, the chip has {have}{have_unit}iB",
+            int(float(need) * _UNITS[unit]))
 
 
 def chip_parts(compiled) -> tuple:
@@ -349,8 +369,18 @@ def compile_run(config, cfg: model_lib.ModelConfig, tokenizer, topo: Topology, *
         for name, plan_phase, program, args in programs:
             log(f"compiling {name} for {topo.name} ...")
             t0 = time.perf_counter()
-            with jax.set_mesh(mesh):
-                compiled = program.lower(*args).compile()
+            try:
+                with jax.set_mesh(mesh):
+                    compiled = program.lower(*args).compile()
+            except jax.errors.JaxRuntimeError as e:
+                refused = out_of_hbm(e)
+                if refused is None:
+                    raise
+                # XLA compiles nothing: the row says so, and the other programs go on
+                rows_out.append(Compiled(name, plan_phase, time.perf_counter() - t0, refused[1],
+                                         planned.get(plan_phase, float("nan")), topo.hbm_bytes,
+                                         None, None, refused=refused[0]))
+                continue
             seconds = time.perf_counter() - t0
             optimal, flops = _cost(compiled)
             parts = chip_parts(compiled)
@@ -400,7 +430,8 @@ def as_json(r: Compiled) -> dict:
             "plan_gib_per_chip": round(r.plan_bytes / GIB, 4),
             "plan_over_xla": round(r.plan_ratio, 3), "hbm_gib": r.hbm_bytes / GIB,
             "fits": r.fits, "compiler_estimate_s": r.optimal_s, "flops": r.flops,
-            "parts_gib": {what: round(b / GIB, 4) for what, b in r.parts}}
+            "parts_gib": {what: round(b / GIB, 4) for what, b in r.parts},
+            **({"xla_refused": r.refused} if r.refused else {})}
 
 
 def config_tokenizer(config):
@@ -432,7 +463,8 @@ def table(rows: list[Compiled], topo: Topology) -> str:
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         est = f"{r.optimal_s:.3g}" if r.optimal_s is not None else "none"
-        lines.append(f"| {r.phase} | {r.compile_s:.1f} | {r.bytes / GIB:.2f} | "
+        xla = f"> {r.bytes / GIB:.2f} (XLA: {r.refused})" if r.refused else f"{r.bytes / GIB:.2f}"
+        lines.append(f"| {r.phase} | {r.compile_s:.1f} | {xla} | "
                      f"{r.plan_bytes / GIB:.2f} | {r.plan_ratio:.2f} | {r.hbm_bytes / GIB:.0f} | "
                      f"{'yes' if r.fits else 'NO'} | {est} |")
     return "\n".join(lines)

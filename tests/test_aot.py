@@ -72,6 +72,27 @@ def test_the_target_platform_decides_dtypes_and_kernels():
         assert model_lib.kernels(cfg) == "cpu"
 
 
+def test_a_program_xla_refuses_for_want_of_hbm_is_a_row_that_does_not_fit():
+    """XLA's RESOURCE_EXHAUSTED (libtpu 0.0.42's words for Qwen2.5-3B's update on a v5e-8)
+    becomes a row that does not fit, with XLA's figure, in the table and the kept JSON; any
+    other compile error is not one."""
+    from benchmarks import tpu_compile
+
+    said = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (19.57G) exceeds available HBM (15.75G).")
+    what, need = aot.out_of_hbm(RuntimeError(said))
+    assert need == int(19.57 * 2 ** 30) and "15.75GiB" in what
+    assert aot.out_of_hbm(RuntimeError("INVALID_ARGUMENT: mismatched shapes")) is None
+    row = aot.Compiled("update", "update", 12.0, need, 5 * 2 ** 30, 16 * 2 ** 30, None, None,
+                       refused=what)
+    assert not row.fits
+    topo = aot.Topology("v5e:2x4", "v5e", (2, 4), tuple(range(8)), 2)
+    assert "> 19.57 (XLA: HLO temporaries need 19.57GiB" in aot.table([row], topo)
+    kept = {"row": "r", "model": "m", "topology": "v5e:2x4", "programs": [aot.as_json(row)]}
+    assert kept["programs"][0]["xla_refused"] == what
+    assert "does not fit (HLO temporaries need 19.57GiB" in tpu_compile.table([kept])
+
+
 # ----------------------------------------------------------------------------- with libtpu
 @pytest.fixture(scope="module")
 def compiled_tiny():
@@ -298,3 +319,20 @@ def test_the_plans_tpu_tile_padding_is_the_compiled_cache_buffers(kv_heads, head
     values = L * B * K * S * E * 2
     assert largest == pytest.approx(values * memory.kv_tile_padding(K, E, "tpu"), rel=1e-3)
     assert memory.kv_tile_padding(K, E, "cpu") == 1.0
+
+
+@pytest.mark.tpu
+@needs_libtpu
+def test_xla_refusing_a_program_too_large_for_a_chip_is_read():
+    """A [65536, 65536] float32 product that must exist whole (16 GiB) on one v5e chip: XLA
+    refuses it, and `out_of_hbm` reads how much it needed."""
+    import jax.numpy as jnp
+    from starpo import sharding
+
+    mesh = _one_v5e_chip()
+    x = jax.ShapeDtypeStruct((65536, 128), jnp.float32,
+                             sharding=sharding.batch_sharding(mesh, 65536, 2))
+    with jax.set_mesh(mesh), pytest.raises(jax.errors.JaxRuntimeError) as caught:
+        jax.jit(lambda x: jnp.sort(x @ x.T, axis=0)[:8]).lower(x).compile()
+    what, need = aot.out_of_hbm(caught.value)
+    assert need >= 16 * 2 ** 30, (what, need)
