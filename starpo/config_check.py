@@ -21,6 +21,7 @@ from starpo import update as update_lib
 from starpo.precision import phase_dtypes
 from starpo.schema import ConfigError
 
+
 def _get(config, key):
     node = config
     for part in key.split("."):

@@ -37,8 +37,7 @@ def context_window(config) -> int:
     it; runs saved before the keys existed had the whole dialogue). Raises ConfigError for a
     mode or window it cannot use."""
     mode, max_context_window = config.rollout.context_window_mode, config.rollout.max_context_window
-    schema.check_value("rollout.context_window_mode",
-                       schema.one_of(*schema.CONTEXT_WINDOW_MODES), mode)
+    schema.check_knob("rollout.context_window_mode", mode)
     if mode.startswith("limited") and max_context_window < 1 and max_context_window != -1:
         raise ConfigError(f"rollout.max_context_window must be >= 1, or -1 for every turn, "
                           f"under context_window_mode={mode}, got {max_context_window}")

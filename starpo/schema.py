@@ -473,6 +473,13 @@ def check(get) -> None:
             check_value(key, f.metadata["rule"], get(key))
 
 
+def check_knob(key: str, value) -> None:
+    """ConfigError where `value` fails the rule of the knob `key` (e.g. "rollout.top_p")."""
+    rule = dict(knobs())[key].metadata["rule"]
+    if rule is not None:
+        check_value(key, rule, value)
+
+
 def check_fields(obj, key=lambda name: name) -> None:
     """Each field of the dataclass `obj` against its rule, `key(name)` naming it."""
     for f in dataclasses.fields(obj):
